@@ -1,0 +1,1 @@
+"""Console entry points; each module's main() is one installed script."""
