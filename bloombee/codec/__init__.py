@@ -1,0 +1,35 @@
+"""Lossless activation codec: byte-split + zstd, framed, versioned and checksummed.
+
+```python
+from bloombee import codec
+
+data = codec.encode(hidden)                         # "auto": smallest layout worth it, tiny -> raw
+data = codec.encode(hidden, accepted=peer_layouts)  # only layouts the peer decodes (else raw)
+hidden = codec.decode(data)                         # CPU tensor, bit-identical; CodecError if bad
+codec.CODEC_VERSION, codec.LAYOUTS                  # what a server announces it accepts
+policy = codec.CompressionPolicy("auto", link_bandwidth=2.5e6)  # one per link, bytes/s
+layout = policy.choose(num_bytes)                   # "raw" or "auto" by the break-even rule
+```
+"""
+
+from .core import DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, inspect
+from .entropy import byte_entropy
+from .frame import CODEC_VERSION, LAYOUTS, CodecError
+from .policy import CompressionPolicy, break_even_bandwidth, worth_compressing
+
+__all__ = [
+    "CODEC_VERSION",
+    "LAYOUTS",
+    "DEFAULT_LEVEL",
+    "DEFAULT_MAX_BYTES",
+    "CodecError",
+    "CompressionPolicy",
+    "FrameInfo",
+    "auto_candidates",
+    "break_even_bandwidth",
+    "byte_entropy",
+    "decode",
+    "encode",
+    "inspect",
+    "worth_compressing",
+]

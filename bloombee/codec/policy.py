@@ -1,0 +1,266 @@
+"""When to compress a hop: the break-even rule, fed by speeds measured on recent traffic.
+
+Sending ``N`` raw bytes over a link of bandwidth ``B`` takes ``N / B``. Compressing first takes
+``N / C`` to encode, ``N / (r B)`` to send and ``N / D`` to decode (``r`` the ratio, ``C`` and ``D``
+the encode and decode speeds in raw bytes per second). Compression pays iff
+
+    (1 - 1/r) / B  >  1/C + 1/D,        i.e.  B < B* = (1 - 1/r) / (1/C + 1/D).
+
+``CompressionPolicy`` keeps exponentially weighted averages of ``r``, ``1/C`` and ``1/D`` from the
+encodes and decodes it observes and of ``B`` from observed transfers (seeded by the bandwidth the
+caller gives), and applies the rule per message. Use one policy per link. While it keeps choosing
+raw it still compresses one message in ``probe_every`` so that its estimates follow the traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .core import MIN_COMPRESS_BYTES, decode, encode, inspect
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+
+# Priors used until the first observations arrive, from benchmarks/results/codec.json
+# (bytesplit, level 1, real fp16/bf16 activations on one core).
+PRIOR_RATIO = 1.3
+PRIOR_COMPRESS_SPEED = 400e6  # raw bytes per second
+PRIOR_DECOMPRESS_SPEED = 1.0e9  # raw bytes per second
+
+
+def break_even_bandwidth(ratio: float, compress_speed: float, decompress_speed: float) -> float:
+    """The link bandwidth (bytes/s) below which compressing at these ratio and speeds pays."""
+    if ratio <= 1.0:
+        return 0.0
+    return (1.0 - 1.0 / ratio) / (1.0 / compress_speed + 1.0 / decompress_speed)
+
+
+def worth_compressing(ratio: float, bandwidth: float, compress_speed: float, decompress_speed: float) -> bool:
+    """The rule: (1 - 1/r) / B > 1/C + 1/D."""
+    if ratio <= 1.0:
+        return False
+    return (1.0 - 1.0 / ratio) / bandwidth > 1.0 / compress_speed + 1.0 / decompress_speed
+
+
+@dataclass
+class Decision:
+    layout: str
+    compress: bool
+    reason: str
+    num_bytes: int
+    bandwidth: float | None
+    ratio: float
+    compress_speed: float
+    decompress_speed: float
+    break_even_bandwidth: float
+    probe: bool = False
+
+
+class _Ewma:
+    __slots__ = ("alpha", "value", "count")
+
+    def __init__(self, alpha: float, prior: float | None):
+        self.alpha = alpha
+        self.value = prior
+        self.count = 0
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None or self.count == 0 else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+
+class CompressionPolicy:
+    """Per-link compress/raw decision.
+
+    ``mode``: "auto" applies the break-even rule, "on" always compresses (tiny messages aside),
+    "off" never does. ``layout`` is what a compressing decision returns (passed to ``encode``);
+    ``accepted`` is the set of layouts the peer on this link decodes.
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        *,
+        link_bandwidth: float | None = None,
+        layout: str = "auto",
+        accepted: Iterable[str] | None = None,
+        level: int | None = None,
+        alpha: float = 0.2,
+        prior_ratio: float = PRIOR_RATIO,
+        prior_compress_speed: float = PRIOR_COMPRESS_SPEED,
+        prior_decompress_speed: float = PRIOR_DECOMPRESS_SPEED,
+        min_bytes: int = MIN_COMPRESS_BYTES,
+        probe_every: int = 32,
+        min_transfer_bytes: int = 16384,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"CompressionPolicy mode must be one of {', '.join(MODES)}, not {mode!r}.")
+        if link_bandwidth is not None and link_bandwidth <= 0:
+            raise ValueError("link_bandwidth must be a positive number of bytes per second.")
+        self.mode = mode
+        self.layout = layout
+        self.accepted = None if accepted is None else tuple(accepted)
+        self.level = level
+        self.min_bytes = min_bytes
+        self.probe_every = probe_every
+        self.min_transfer_bytes = min_transfer_bytes
+        self._lock = threading.Lock()
+        self._ratio = _Ewma(alpha, prior_ratio)
+        self._enc_spb = _Ewma(alpha, 1.0 / prior_compress_speed)  # seconds per raw byte
+        self._dec_spb = _Ewma(alpha, 1.0 / prior_decompress_speed)
+        self._bw_given = link_bandwidth
+        self._bw_seen = _Ewma(alpha, None)
+        self._raw_streak = 0
+        self._counts = {"raw": 0, "compressed": 0, "probes": 0}
+        self._last: Decision | None = None
+
+    # ------------------------------------------------------------------ estimates
+    @property
+    def ratio(self) -> float:
+        return self._ratio.value
+
+    @property
+    def compress_speed(self) -> float:
+        return 1.0 / self._enc_spb.value
+
+    @property
+    def decompress_speed(self) -> float:
+        return 1.0 / self._dec_spb.value
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Observed transfer bandwidth once there is one, else the caller's figure (or None)."""
+        return self._bw_seen.value if self._bw_seen.count else self._bw_given
+
+    # ------------------------------------------------------------------ decision
+    def choose(self, num_bytes: int, link_bandwidth: float | None = None) -> str:
+        """The layout to encode a message of ``num_bytes`` raw bytes with: "raw" or ``self.layout``."""
+        with self._lock:
+            if link_bandwidth is not None:
+                if link_bandwidth <= 0:
+                    raise ValueError("link_bandwidth must be a positive number of bytes per second.")
+                self._bw_given = link_bandwidth
+            d = self._decide(num_bytes)
+            self._last = d
+            self._counts["compressed" if d.compress else "raw"] += 1
+            self._counts["probes"] += d.probe
+        logger.debug("codec policy: %s", d.reason)
+        return d.layout
+
+    def _decide(self, num_bytes: int) -> Decision:
+        bw = self.bandwidth
+        r, c, dspeed = self.ratio, self.compress_speed, self.decompress_speed
+        b_star = break_even_bandwidth(r, c, dspeed)
+
+        def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
+            return Decision(
+                layout=self.layout if compress else "raw",
+                compress=compress,
+                reason=reason,
+                num_bytes=num_bytes,
+                bandwidth=bw,
+                ratio=r,
+                compress_speed=c,
+                decompress_speed=dspeed,
+                break_even_bandwidth=b_star,
+                probe=probe,
+            )
+
+        if self.mode == "off":
+            return decision(False, "raw: compression is off for this link")
+        if num_bytes < self.min_bytes:
+            return decision(False, f"raw: {num_bytes} B is under the {self.min_bytes} B minimum worth compressing")
+        if self.mode == "on":
+            return decision(True, "compress: compression is forced on for this link")
+        figures = f"ratio {r:.3f}, encode {_rate(c)}, decode {_rate(dspeed)}, break-even {_rate(b_star)}"
+        if bw is None:
+            return decision(True, f"compress: link bandwidth unknown, assuming a slow link ({figures})")
+        if bw < b_star:
+            self._raw_streak = 0
+            return decision(True, f"compress: link {_rate(bw)} < break-even ({figures})")
+        self._raw_streak += 1
+        if self.probe_every and self._raw_streak >= self.probe_every:
+            self._raw_streak = 0
+            return decision(True, f"compress (probe to refresh estimates): link {_rate(bw)} >= break-even ({figures})", True)
+        return decision(False, f"raw: link {_rate(bw)} >= break-even ({figures})")
+
+    # ------------------------------------------------------------------ observations
+    def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
+        """Record one encode the policy asked to compress: sizes and wall time."""
+        if raw_bytes <= 0 or encoded_bytes <= 0 or seconds < 0:
+            return
+        with self._lock:
+            self._ratio.update(raw_bytes / encoded_bytes)
+            self._enc_spb.update(max(seconds, 1e-9) / raw_bytes)
+
+    def observe_decode(self, raw_bytes: int, seconds: float) -> None:
+        """Record one decode of a compressed frame: decoded size and wall time."""
+        if raw_bytes <= 0 or seconds < 0:
+            return
+        with self._lock:
+            self._dec_spb.update(max(seconds, 1e-9) / raw_bytes)
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        """Record one transfer over this link; transfers under ``min_transfer_bytes`` are latency
+        dominated and are ignored for bandwidth."""
+        if num_bytes < self.min_transfer_bytes or seconds <= 0:
+            return
+        with self._lock:
+            self._bw_seen.update(num_bytes / seconds)
+
+    # ------------------------------------------------------------------ conveniences
+    def encode(self, tensor: torch.Tensor, link_bandwidth: float | None = None) -> bytes:
+        """choose + encode + observe_encode in one call."""
+        raw_bytes = tensor.numel() * tensor.element_size()
+        layout = self.choose(raw_bytes, link_bandwidth)
+        start = time.perf_counter()
+        data = encode(tensor, layout, level=self.level, accepted=self.accepted)
+        if layout != "raw":
+            self.observe_encode(raw_bytes, len(data), time.perf_counter() - start)
+        return data
+
+    def decode(self, data) -> torch.Tensor:
+        """decode + observe_decode (for compressed frames) in one call."""
+        start = time.perf_counter()
+        tensor = decode(data)
+        seconds = time.perf_counter() - start
+        if inspect(data, verify=False).layout != "raw":
+            self.observe_decode(tensor.numel() * tensor.element_size(), seconds)
+        return tensor
+
+    def report(self) -> dict:
+        """What the policy chose last and why, with its current estimates and counts."""
+        with self._lock:
+            return {
+                "mode": self.mode,
+                "layout": self.layout,
+                "last": asdict(self._last) if self._last else None,
+                "estimates": {
+                    "ratio": self.ratio,
+                    "compress_speed": self.compress_speed,
+                    "decompress_speed": self.decompress_speed,
+                    "bandwidth": self.bandwidth,
+                    "bandwidth_given": self._bw_given,
+                    "break_even_bandwidth": break_even_bandwidth(self.ratio, self.compress_speed, self.decompress_speed),
+                    "observations": {
+                        "encode": self._ratio.count,
+                        "decode": self._dec_spb.count,
+                        "transfer": self._bw_seen.count,
+                    },
+                },
+                "counts": dict(self._counts),
+            }
+
+
+def _rate(bytes_per_s: float) -> str:
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.3g} {unit}"
+    return f"{bytes_per_s:.3g} B/s"

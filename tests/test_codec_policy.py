@@ -1,0 +1,117 @@
+"""bloombee.codec.policy: the break-even rule, both ways, and how observations move it."""
+
+import pytest
+import torch
+
+from bloombee import codec
+from bloombee.codec import CompressionPolicy, break_even_bandwidth, worth_compressing
+
+MB = 1e6
+
+
+def test_rule_compresses_on_slow_links_and_not_on_fast_ones():
+    # r = 1.5 saves a third of the bytes; C = D = 500 MB/s costs 4 ns per byte.
+    # Break-even: (1 - 1/1.5) / (2 / 500e6) = 83.3 MB/s.
+    assert break_even_bandwidth(1.5, 500 * MB, 500 * MB) == pytest.approx(83.333 * MB, rel=1e-3)
+    assert worth_compressing(1.5, 2.5 * MB, 500 * MB, 500 * MB)  # 20 Mbit/s home uplink
+    assert worth_compressing(1.5, 83 * MB, 500 * MB, 500 * MB)
+    assert not worth_compressing(1.5, 84 * MB, 500 * MB, 500 * MB)
+    assert not worth_compressing(1.5, 4000 * MB, 500 * MB, 500 * MB)  # loopback
+    assert not worth_compressing(1.0, 1.0, 500 * MB, 500 * MB)  # nothing saved: never
+    assert not worth_compressing(0.9, 1.0, 500 * MB, 500 * MB)
+    assert break_even_bandwidth(1.0, 500 * MB, 500 * MB) == 0.0
+
+
+def policy(**kw):
+    kw.setdefault("prior_ratio", 1.5)
+    kw.setdefault("prior_compress_speed", 500 * MB)
+    kw.setdefault("prior_decompress_speed", 500 * MB)
+    return CompressionPolicy("auto", **kw)
+
+
+def test_choose_follows_the_rule_both_ways():
+    p = policy(link_bandwidth=2.5 * MB)
+    assert p.choose(1 << 20) == "auto"
+    last = p.report()["last"]
+    assert last["compress"] and last["reason"].startswith("compress: link 2.5 MB/s < break-even")
+    assert p.choose(1 << 20, link_bandwidth=1000 * MB) == "raw"
+    last = p.report()["last"]
+    assert not last["compress"] and last["reason"].startswith("raw: link 1 GB/s >= break-even")
+    assert last["break_even_bandwidth"] == pytest.approx(83.333 * MB, rel=1e-3)
+
+
+def test_tiny_messages_and_modes():
+    p = policy(link_bandwidth=1 * MB)
+    assert p.choose(100) == "raw" and "minimum" in p.report()["last"]["reason"]
+    on = CompressionPolicy("on", link_bandwidth=1e12)
+    assert on.choose(1 << 20) == "auto" and on.choose(10) == "raw"
+    off = CompressionPolicy("off", link_bandwidth=1)
+    assert off.choose(1 << 20) == "raw" and "off" in off.report()["last"]["reason"]
+    with pytest.raises(ValueError, match="mode"):
+        CompressionPolicy("sometimes")
+    with pytest.raises(ValueError, match="positive"):
+        policy().choose(1 << 20, link_bandwidth=0)
+
+
+def test_unknown_bandwidth_assumes_a_slow_link():
+    p = policy()
+    assert p.choose(1 << 20) == "auto" and "unknown" in p.report()["last"]["reason"]
+
+
+def test_observed_ratio_moves_the_decision():
+    p = policy(link_bandwidth=10 * MB, alpha=0.5)
+    assert p.choose(1 << 20) == "auto"
+    for _ in range(20):  # the traffic turns out incompressible: ratio ~1.01
+        p.observe_encode(1 << 20, int((1 << 20) / 1.01), 0.002)
+    assert p.ratio == pytest.approx(1.01, rel=1e-3)
+    assert p.choose(1 << 20) == "raw"
+
+
+def test_observed_speeds_move_the_decision():
+    p = policy(link_bandwidth=30 * MB, alpha=1.0)
+    assert p.choose(1 << 20) == "auto"  # 30 MB/s < 83.3 MB/s
+    p.observe_encode(1_000_000, 666_667, 0.01)  # 100 MB/s encode: break-even drops to 27.8 MB/s
+    assert p.compress_speed == pytest.approx(100 * MB)
+    assert p.choose(1 << 20) == "raw"
+    p.observe_decode(1_000_000, 0.0001)  # 10 GB/s decode
+    p.observe_encode(1_000_000, 666_667, 0.001)  # 1 GB/s encode: break-even 303 MB/s
+    assert p.choose(1 << 20) == "auto"
+
+
+def test_observed_transfers_refine_the_given_bandwidth():
+    p = policy(link_bandwidth=1000 * MB, alpha=1.0)
+    assert p.choose(1 << 20) == "raw"
+    p.observe_transfer(100, 1.0)  # too small to say anything about bandwidth
+    assert p.bandwidth == 1000 * MB
+    p.observe_transfer(5_000_000, 2.0)  # 2.5 MB/s measured
+    assert p.bandwidth == pytest.approx(2.5 * MB)
+    assert p.choose(1 << 20) == "auto"
+    rep = p.report()["estimates"]
+    assert rep["bandwidth_given"] == 1000 * MB and rep["observations"]["transfer"] == 1
+
+
+def test_probes_keep_estimates_fresh_on_fast_links():
+    p = policy(link_bandwidth=1000 * MB, probe_every=4)
+    choices = [p.choose(1 << 20) for _ in range(8)]
+    assert choices == ["raw", "raw", "raw", "auto", "raw", "raw", "raw", "auto"]
+    assert p.report()["counts"] == {"raw": 6, "compressed": 2, "probes": 2}
+    assert p.report()["last"]["probe"]
+    never = policy(link_bandwidth=1000 * MB, probe_every=0)
+    assert all(never.choose(1 << 20) == "raw" for _ in range(100))
+
+
+def test_policy_encode_decode_round_trip_and_learn():
+    x = torch.randn(32, 2048).half()
+    p = CompressionPolicy("auto", link_bandwidth=1 * MB, accepted=codec.LAYOUTS)
+    data = p.encode(x)
+    assert codec.inspect(data).layout != "raw"
+    y = p.decode(data)
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+    obs = p.report()["estimates"]["observations"]
+    assert obs["encode"] == 1 and obs["decode"] == 1
+    assert p.ratio == pytest.approx(codec.inspect(data).ratio)
+    fast = CompressionPolicy("auto", link_bandwidth=1e12, probe_every=0)
+    assert codec.inspect(fast.encode(x)).layout == "raw"
+    assert fast.report()["estimates"]["observations"]["encode"] == 0
+    restricted = CompressionPolicy("on", accepted=["raw"])
+    assert codec.inspect(restricted.encode(x)).layout == "raw"
