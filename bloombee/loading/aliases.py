@@ -1,0 +1,26 @@
+"""Short model names: alias -> hub id, or a package-data folder (``bloombee/assets/<name>``)."""
+
+from __future__ import annotations
+
+PACKAGE_ASSET = "package:"
+
+ALIASES: dict[str, str] = {
+    "llama-13b": "huggyllama/llama-13b",
+    "llama-30b": "huggyllama/llama-30b",
+    "llama-65b": "huggyllama/llama-65b",
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama-2-70b": "meta-llama/Llama-2-70b-hf",
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama-3-70b": "meta-llama/Meta-Llama-3-70B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "falcon-7b": "tiiuae/falcon-7b",
+    "falcon-40b": "tiiuae/falcon-40b",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-14b": "Qwen/Qwen3-14B",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+    "bloombee-tiny": PACKAGE_ASSET + "bloombee-tiny",
+    "bloombee-tiny-draft": PACKAGE_ASSET + "bloombee-tiny-draft",
+}

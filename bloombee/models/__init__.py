@@ -1,0 +1,46 @@
+"""Model families: the registry mapping a transformers ``model_type`` to a generated family package.
+
+Families are the subpackages generated from ``specs/<family>.yaml`` by ``bloombee-codegen``; each
+exposes ``FAMILY`` (a ``bloombee.models.core.Family``). Adding one needs no edit here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from bloombee.models.core.family import Family
+
+_NOT_FAMILIES = {"core"}
+_registry: dict[str, Family] | None = None
+
+
+def families() -> dict[str, Family]:
+    """Family name -> Family, for every generated family package."""
+    global _registry
+    if _registry is None:
+        found = {}
+        for info in pkgutil.iter_modules(__path__):
+            if info.ispkg and info.name not in _NOT_FAMILIES:
+                module = importlib.import_module(f"{__name__}.{info.name}")
+                family = getattr(module, "FAMILY", None)
+                if isinstance(family, Family):
+                    found[family.name] = family
+        _registry = found
+    return _registry
+
+
+def family_for_model_type(model_type: str) -> Family:
+    """The family serving a transformers ``config.model_type``."""
+    for family in families().values():
+        if model_type in family.model_types:
+            return family
+    supported = sorted(t for f in families().values() for t in f.model_types)
+    raise ValueError(f"model type {model_type!r} is not supported; supported model types: {', '.join(supported)}.")
+
+
+def family_for_config(config) -> Family:
+    return family_for_model_type(config.model_type)
+
+
+__all__ = ["Family", "families", "family_for_config", "family_for_model_type"]

@@ -1,0 +1,76 @@
+"""Render every ``specs/<family>.yaml`` through ``templates/*.py.j2`` into ``bloombee/models/<family>/``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jinja2
+
+from bloombee.models.spec import FamilySpec, load_spec
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SPECS_DIR = REPO_ROOT / "specs"
+TEMPLATES_DIR = REPO_ROOT / "templates"
+MODELS_DIR = Path(__file__).resolve().parent
+GENERATED_FILES = ("config.py", "block.py", "model.py", "__init__.py")
+
+
+def _environment(templates_dir: Path) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters["py"] = repr
+    env.filters["tuple"] = tuple
+    return env
+
+
+def class_prefix(family: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in family.split("_"))
+
+
+def render_spec(spec: FamilySpec, spec_path: str, templates_dir: Path = TEMPLATES_DIR) -> dict[str, str]:
+    """File name -> text of one family's generated package."""
+    env = _environment(templates_dir)
+    files = {}
+    for name in GENERATED_FILES:
+        template = f"{name}.j2"
+        files[name] = env.get_template(template).render(
+            spec=spec, family=spec.family, cls=class_prefix(spec.family), spec_path=spec_path, template=template)
+    return files
+
+
+def render_all(specs_dir: Path = SPECS_DIR, templates_dir: Path = TEMPLATES_DIR) -> dict[str, dict[str, str]]:
+    """Validate every spec first, then render: family -> {file name -> text}."""
+    paths = sorted(Path(specs_dir).glob("*.yaml"))
+    if not paths:
+        raise FileNotFoundError(f"no specs (*.yaml) in {specs_dir}")
+    specs = [(path, load_spec(path)) for path in paths]  # all validated before anything is generated
+    return {spec.family: render_spec(spec, f"specs/{path.name}", templates_dir) for path, spec in specs}
+
+
+def write_all(rendered: dict[str, dict[str, str]], out_dir: Path = MODELS_DIR) -> list[Path]:
+    written = []
+    for family, files in rendered.items():
+        folder = Path(out_dir) / family
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = folder / name
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
+                written.append(path)
+    return written
+
+
+def drift(rendered: dict[str, dict[str, str]], out_dir: Path = MODELS_DIR) -> list[str]:
+    """Generated files whose committed text differs from a fresh render (or that are missing)."""
+    problems = []
+    for family, files in rendered.items():
+        for name, text in files.items():
+            path = Path(out_dir) / family / name
+            if not path.exists():
+                problems.append(f"{path}: missing")
+            elif path.read_text() != text:
+                problems.append(f"{path}: differs from a fresh render of specs/{family}.yaml")
+    return problems

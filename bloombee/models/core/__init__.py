@@ -1,0 +1,17 @@
+"""Hand-written compute shared by all model families: KV cache, attention, rotary, norms, MLPs, masks."""
+
+from bloombee.models.core.attention import ATTENTIONS, Attention, FusedQKVAttention
+from bloombee.models.core.block import DecoderBlock
+from bloombee.models.core.config import BLOCK_CONFIG_FIELDS, CONFIG_ADAPTERS, BlockConfig
+from bloombee.models.core.family import Family
+from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.mlp import MLPS, GatedMLP, GeluMLP, MoEMLP
+from bloombee.models.core.norms import NORMS, LayerNorm, RMSNorm
+from bloombee.models.core.rotary import RotaryEmbedding
+from bloombee.models.core.stack import BlockStack, ClientHead
+
+__all__ = [
+    "ATTENTIONS", "Attention", "FusedQKVAttention", "DecoderBlock", "BLOCK_CONFIG_FIELDS", "CONFIG_ADAPTERS",
+    "BlockConfig", "Family", "KVCache", "MLPS", "GatedMLP", "GeluMLP", "MoEMLP", "NORMS", "LayerNorm",
+    "RMSNorm", "RotaryEmbedding", "BlockStack", "ClientHead",
+]

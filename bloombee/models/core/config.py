@@ -1,0 +1,77 @@
+"""BlockConfig: the hyperparameters of one block, normalised from a transformers config.
+
+Generated ``<family>/config.py`` files read the fields their spec names into a BlockConfig and then
+apply the spec's config adapter (one of ``CONFIG_ADAPTERS``) for derived values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class BlockConfig:
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    norm_eps: float
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    qkv_layout: str = "separate"  # separate | interleaved | multi_query | grouped (fused checkpoints)
+    parallel_attention: bool = False
+    separate_mlp_norm: bool = True  # parallel blocks: a second norm for the MLP input
+    # falcon-style switches read from the config by the "falcon" adapter
+    multi_query: bool = False
+    new_decoder_architecture: bool = False
+    num_parallel_norms: int | None = None
+
+    def __post_init__(self):
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+
+
+BLOCK_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(BlockConfig))
+
+
+def standard_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
+    """Decoder-only pre-norm families: a per-layer sliding window when the config lists layer types."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if cfg.sliding_window is not None and layer_types is not None:
+        if layer_types[layer_index] != "sliding_attention":
+            cfg.sliding_window = None
+    return cfg
+
+
+def falcon_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
+    """Falcon: fused QKV layout, KV heads and norm arrangement follow new_decoder_architecture / multi_query."""
+    if getattr(hf_config, "alibi", False):
+        raise ValueError("Falcon checkpoints with alibi=True are not supported (only rotary Falcon models).")
+    if cfg.new_decoder_architecture:
+        cfg.qkv_layout = "grouped"
+        two_norms = (cfg.num_parallel_norms or 2) == 2
+        cfg.parallel_attention = True
+        cfg.separate_mlp_norm = two_norms
+    elif cfg.multi_query:
+        cfg.qkv_layout = "multi_query"
+        cfg.num_kv_heads = 1
+        cfg.separate_mlp_norm = not cfg.parallel_attention
+    else:
+        cfg.qkv_layout = "interleaved"
+        cfg.num_kv_heads = cfg.num_heads
+        cfg.separate_mlp_norm = not cfg.parallel_attention
+    cfg.norm_bias = True
+    return cfg
+
+
+CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter}

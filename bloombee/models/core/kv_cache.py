@@ -1,0 +1,45 @@
+"""The KV cache: one per block, written at explicit slots, read as a prefix (gpt-fast style)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of one block for a whole batch: tensors ``[batch, kv_heads, max_length, head_dim]``.
+
+    ``update`` writes the new keys/values of rows ``[batch_offset, batch_offset + b)`` at
+    ``cache_positions`` and returns those rows' readable prefix, slots ``[0, length)``.
+    Subclasses (e.g. a host-offloading variant) keep the same two methods.
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               batch_offset: int = 0, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v`` ``[b, kv_heads, T, head_dim]`` at slots ``cache_positions`` ``[T]``; return slots [0, length)."""
+        b = k.shape[0]
+        if batch_offset < 0 or batch_offset + b > self.batch_size:
+            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + b}) are outside the cache's "
+                             f"{self.batch_size} rows; allocate the cache for the full batch.")
+        if length is None:
+            length = int(cache_positions.max()) + 1
+        if length > self.max_length:
+            raise ValueError(f"KV cache read of {length} slots exceeds its max_length {self.max_length}; "
+                             f"allocate a longer cache.")
+        rows = slice(batch_offset, batch_offset + b)
+        self.k[rows].index_copy_(2, cache_positions, k.to(self.k.dtype))
+        self.v[rows].index_copy_(2, cache_positions, v.to(self.v.dtype))
+        return self.k[rows, :, :length], self.v[rows, :, :length]

@@ -1,0 +1,59 @@
+"""Feed-forward layers: gated (SwiGLU), plain GELU (falcon) and mixture of experts (mixtral)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from bloombee.models.core.config import BlockConfig
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class MoEMLP(nn.Module):
+    """Top-k routed experts: softmax over router logits, keep the top k, renormalise, sum weighted experts."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(cfg) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tokens, slot = torch.where(chosen == e)
+            if tokens.numel():
+                out.index_add_(0, tokens, expert(x[tokens]) * weights[tokens, slot, None])
+        return out.reshape(shape)
+
+
+MLPS = {"GatedMLP": GatedMLP, "GeluMLP": GeluMLP, "MoEMLP": MoEMLP}

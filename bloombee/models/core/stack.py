@@ -1,0 +1,119 @@
+"""BlockStack (a server's contiguous blocks [start, end)) and ClientHead (embeddings, final norm, LM head)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.norms import NORMS
+from bloombee.models.core.rotary import RotaryEmbedding
+
+
+class BlockStack(nn.Module):
+    """Blocks [start, end) of one model. Subclasses set ``family`` (a core.family.Family)."""
+
+    family = None
+    cache_class = KVCache
+
+    def __init__(self, config, start: int, end: int):
+        super().__init__()
+        n = config.num_hidden_layers
+        if not 0 <= start < end <= n:
+            raise ValueError(f"block range [{start}, {end}) is not inside the model's {n} blocks [0, {n}).")
+        self.config, self.start, self.end = config, start, end
+        self.block_configs = [self.family.block_config(config, i) for i in range(start, end)]
+        self.blocks = nn.ModuleList(self.family.block_class(cfg, i)
+                                    for cfg, i in zip(self.block_configs, range(start, end)))
+        self.reset_buffers()
+
+    def reset_buffers(self, device: torch.device | str = "cpu") -> None:
+        """(Re)create non-persistent buffers (rotary frequencies), e.g. after building on the meta device."""
+        with torch.device(device):
+            head_dim = self.block_configs[0].head_dim
+            self.rotary = RotaryEmbedding(self.config, head_dim) if self.family.rotary else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def local_range(self, block_range: tuple[int, int] | None) -> tuple[int, int]:
+        """Indices into ``self.blocks`` of absolute blocks [a, b) (all hosted blocks when None)."""
+        if block_range is None:
+            return 0, len(self.blocks)
+        first, last = block_range
+        if not self.start <= first < last <= self.end:
+            raise ValueError(f"blocks [{first}, {last}) are not inside the hosted range [{self.start}, {self.end}).")
+        return first - self.start, last - self.start
+
+    def new_caches(self, batch_size: int, max_length: int, block_range: tuple[int, int] | None = None) -> list[KVCache]:
+        """One empty KV cache per block (of ``block_range``, default all), on the stack's device and dtype."""
+        lo, hi = self.local_range(block_range)
+        return [self.cache_class(batch_size, cfg.num_kv_heads, max_length, cfg.head_dim, self.dtype, self.device)
+                for cfg in self.block_configs[lo:hi]]
+
+    def forward(self, hidden: torch.Tensor, rope_positions: torch.Tensor, caches: list[KVCache] | None,
+                cache_positions: torch.Tensor, attention_mask: torch.Tensor | None,
+                batch_offset: int = 0, block_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """Run blocks ``block_range`` (absolute indices, default all hosted) with one cache each."""
+        lo, hi = self.local_range(block_range)
+        self._check_inputs(hidden, rope_positions, caches, cache_positions, attention_mask, hi - lo)
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = self.rotary(rope_positions, hidden.dtype)
+        for i, block in enumerate(self.blocks[lo:hi]):
+            cache = caches[i] if caches is not None else None
+            hidden = block(hidden, cos, sin, cache, cache_positions, attention_mask, batch_offset)
+        return hidden
+
+    def _check_inputs(self, hidden, rope_positions, caches, cache_positions, attention_mask, num_blocks):
+        h = self.config.hidden_size
+        if hidden.dim() != 3 or hidden.shape[-1] != h:
+            raise ValueError(f"hidden must be [batch, tokens, {h}], got {list(hidden.shape)}.")
+        b, t, _ = hidden.shape
+        if tuple(rope_positions.shape) != (b, t):
+            raise ValueError(f"rope_positions must be [{b}, {t}], got {list(rope_positions.shape)}.")
+        if tuple(cache_positions.shape) != (t,):
+            raise ValueError(f"cache_positions must be [{t}], got {list(cache_positions.shape)}.")
+        if caches is not None and len(caches) != num_blocks:
+            raise ValueError(f"expected {num_blocks} caches (one per block), got {len(caches)}.")
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool or attention_mask.dim() != 3 or \
+                    tuple(attention_mask.shape[:2]) != (b, t):
+                raise ValueError(f"attention_mask must be a bool tensor [{b}, {t}, S], got "
+                                 f"{attention_mask.dtype} {list(attention_mask.shape)}.")
+            if caches is None and attention_mask.shape[2] != t:
+                raise ValueError(f"without caches attention_mask must be [{b}, {t}, {t}], "
+                                 f"got {list(attention_mask.shape)}.")
+
+
+class ClientHead(nn.Module):
+    """What the client holds: token embeddings, the final norm and the LM head. Subclasses set ``family``."""
+
+    family = None
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        cfg = self.family.block_config(config, 0)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = NORMS[self.family.norm](config.hidden_size, cfg.norm_eps, bias=cfg.norm_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random checkpoints (one per model family variant) saved with save_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# variant -> (transformers config class, model class, config kwargs); hidden 64, 4 heads, fp32
+_COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=4,
+               max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+TINY_VARIANTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, num_key_value_heads=4)),
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, num_key_value_heads=2,
+                                                         attention_bias=True, mlp_bias=True)),
+    "llama-rope-llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama-rope-linear": ("LlamaConfig", "LlamaForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=96, num_key_value_heads=2,
+                                                           sliding_window=8)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, head_dim=32)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
+                                                           num_local_experts=4, num_experts_per_tok=2)),
+    "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(
+        multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False)),
+    "falcon-40b": ("FalconConfig", "FalconForCausalLM", dict(
+        new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True, bias=False, alibi=False)),
+}
+
+
+def make_tiny_model(variant: str, num_layers: int = 4, seed: int = 0, **overrides):
+    """A random transformers model of the variant (eval mode, fp32)."""
+    import transformers
+
+    config_cls, model_cls, kwargs = TINY_VARIANTS[variant]
+    kwargs = {**_COMMON, **kwargs, "num_hidden_layers": num_layers, **overrides}
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # make norms non-trivial so loading mistakes show
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln" in name.split(".")[-2]:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """Factory: tiny_checkpoint(variant, num_layers=4, **save_kwargs) -> (folder, transformers model)."""
+
+    def make(variant: str, num_layers: int = 4, save_kwargs: dict | None = None, **overrides):
+        model = make_tiny_model(variant, num_layers, **overrides)
+        folder = tmp_path / f"{variant}-{num_layers}"
+        model.save_pretrained(folder, **(save_kwargs or {}))
+        return folder, model
+
+    return make

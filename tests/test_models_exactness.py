@@ -1,0 +1,134 @@
+"""Exactness: our block stacks + client head equal the transformers models (hidden states and greedy tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bloombee.loading import load_block_stack, load_client_head
+from bloombee.models.core import masks
+
+from conftest import TINY_VARIANTS
+
+VARIANTS = list(TINY_VARIANTS)
+LAYERS = 4
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def load_servers(folder, num_layers=LAYERS):
+    """Two 'servers' holding [0, k) and [k, L), and the client head."""
+    k = num_layers // 2
+    return [load_block_stack(folder, 0, k), load_block_stack(folder, k, num_layers)], load_client_head(folder)
+
+
+def run_chain(stacks, hidden, rope_positions, caches, cache_positions, mask):
+    outs = []
+    for stack, stack_caches in zip(stacks, caches):
+        hidden = stack(hidden, rope_positions, stack_caches, cache_positions, mask)
+        outs.append(hidden)
+    return outs
+
+
+def greedy(stacks, head, input_ids, steps, key_padding=None):
+    """Greedy decoding with our stacks and KV caches; input_ids may be left-padded (key_padding [b, T])."""
+    b, t = input_ids.shape
+    if key_padding is None:
+        key_padding = torch.ones(b, t, dtype=torch.bool)
+    caches = [stack.new_caches(b, t + steps) for stack in stacks]
+    padding = torch.cat([key_padding.bool(), torch.ones(b, steps, dtype=torch.bool)], dim=1)
+    rope_all = masks.rope_positions_from_padding(padding)
+    tokens, new = input_ids, []
+    cache_positions = torch.arange(t)
+    for _ in range(steps):
+        length = int(cache_positions[-1]) + 1
+        mask = masks.causal_mask(cache_positions, length, padding)
+        hidden = run_chain(stacks, head.embed(tokens), rope_all[:, cache_positions], caches, cache_positions,
+                           mask)[-1]
+        next_tokens = head.logits(hidden[:, -1]).argmax(-1)
+        new.append(next_tokens)
+        tokens = next_tokens[:, None]
+        cache_positions = torch.tensor([length])
+    return torch.stack(new, dim=1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hidden_states_match_prompt_then_token_by_token(variant, tiny_checkpoint):
+    folder, model = tiny_checkpoint(variant, LAYERS)
+    stacks, head = load_servers(folder)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (2, 20))
+    ref = model(ids, output_hidden_states=True).hidden_states  # embeddings, layer 1..L (last one normed)
+    prompt = 12
+    caches = [stack.new_caches(2, 32) for stack in stacks]
+    chunks = []
+    for lo, hi in [(0, prompt)] + [(i, i + 1) for i in range(prompt, 20)]:
+        cache_positions = torch.arange(lo, hi)
+        mask = masks.causal_mask(cache_positions, hi, batch_size=2)
+        chunks.append(run_chain(stacks, head.embed(ids[:, lo:hi]), cache_positions.expand(2, -1), caches,
+                                cache_positions, mask))
+    k = LAYERS // 2
+    mid = torch.cat([c[0] for c in chunks], dim=1)
+    last = torch.cat([c[1] for c in chunks], dim=1)
+    assert (head.embed(ids) - ref[0]).abs().max() == 0
+    assert (mid - ref[k]).abs().max() <= 1e-5
+    assert (head.norm(last) - ref[-1]).abs().max() <= 1e-5
+    logits = head.logits(last)
+    assert (logits - model(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stateless_forward_matches(variant, tiny_checkpoint):
+    folder, model = tiny_checkpoint(variant, 2)
+    stack, head = load_block_stack(folder, 0, 2), load_client_head(folder)
+    ids = torch.randint(1, 128, (2, 10))
+    positions = torch.arange(10)
+    out = stack(head.embed(ids), positions.expand(2, -1), None, positions, masks.stateless_causal_mask(10, None, 2))
+    ref = model(ids, output_hidden_states=True).hidden_states[-1]
+    assert (head.norm(out) - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_tokens_match_generate(variant, tiny_checkpoint):
+    folder, model = tiny_checkpoint(variant, LAYERS)
+    stacks, head = load_servers(folder)
+    torch.manual_seed(2)
+    ids = torch.randint(1, 128, (1, 8))
+    ref = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)[:, 8:]
+    assert torch.equal(greedy(stacks, head, ids, 32), ref)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "mistral", "qwen3", "mixtral", "falcon-7b", "falcon-40b"])
+def test_left_padded_batch_matches_generate(variant, tiny_checkpoint):
+    folder, model = tiny_checkpoint(variant, LAYERS)
+    stacks, head = load_servers(folder)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 128, (2, 12))
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    ids[1, :5] = 0
+    attention_mask[1, :5] = 0
+    ref = model.generate(ids, attention_mask=attention_mask, max_new_tokens=16, min_new_tokens=16,
+                         do_sample=False)[:, 12:]
+    assert torch.equal(greedy(stacks, head, ids, 16, attention_mask.bool()), ref)
+    # the padded row alone (no padding) gives the same tokens
+    alone = greedy(stacks, head, ids[1:, 5:], 16)
+    assert torch.equal(alone, ref[1:])
+
+
+def test_micro_batches_write_their_own_cache_rows(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama-gqa", 2)
+    stack, head = load_block_stack(folder, 0, 2), load_client_head(folder)
+    ids = torch.randint(1, 128, (4, 6))
+    full_caches, split_caches = stack.new_caches(4, 8), stack.new_caches(4, 8)
+    positions = torch.arange(6)
+    mask = masks.causal_mask(positions, 6, batch_size=4)
+    full = stack(head.embed(ids), positions.expand(4, -1), full_caches, positions, mask)
+    parts = [stack(head.embed(ids[i:i + 2]), positions.expand(2, -1), split_caches, positions, mask[i:i + 2],
+                   batch_offset=i) for i in (0, 2)]
+    assert torch.allclose(torch.cat(parts), full, atol=1e-6)
+    for a, b in zip(full_caches, split_caches):
+        assert torch.allclose(a.k, b.k, atol=1e-6) and torch.allclose(a.v, b.v, atol=1e-6)
