@@ -1,7 +1,27 @@
-"""`bloombee-dht`: the DHT bootstrap peer."""
+"""`bloombee-dht`: start a bootstrap peer and print the multiaddrs others pass as --initial-peers."""
 
-from bloombee.cli.not_built import exit_not_built
+import argparse
+import signal
+import threading
+
+from bloombee.cli.common import add_peer_flags, setup_logging
+from bloombee.dht.peers import start_dht, visible_maddrs
 
 
-def main() -> None:
-    exit_not_built("bloombee-dht", "the DHT bootstrap peer")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bloombee-dht", description=__doc__)
+    add_peer_flags(parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal)
+    print("Bootstrap peer running. Join the swarm with:", flush=True)
+    print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

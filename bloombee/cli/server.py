@@ -1,7 +1,57 @@
-"""`bloombee-server`: the block server."""
+"""`bloombee-server`: serve a range of a model's blocks to the swarm."""
 
-from bloombee.cli.not_built import exit_not_built
+import argparse
+import asyncio
+
+from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
+from bloombee.dht.peers import start_dht, visible_maddrs
+from bloombee.server.server import BlockChoice, Server
+from bloombee.settings import ServerSettings, load_settings
 
 
-def main() -> None:
-    exit_not_built("bloombee-server", "the block server")
+def parse_blocks(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--blocks takes START:END, e.g. 0:4; got {text!r}") from None
+    return start, end
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bloombee-server", description=__doc__)
+    parser.add_argument("--model", required=True, help="model folder, hub id or alias (e.g. bloombee-tiny, llama-30b)")
+    blocks = parser.add_mutually_exclusive_group()
+    blocks.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (END exclusive)")
+    blocks.add_argument("--num-blocks", type=int, help="serve this many blocks where the swarm is weakest")
+    parser.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--public-name", default="", help="a name shown to other peers")
+    parser.add_argument("--link-bandwidth-mbps", type=float, default=100.0, help="this machine's link speed, Mbit/s")
+    add_peer_flags(parser)
+    add_settings_flags(parser, ServerSettings)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    if not args.new_swarm and not args.initial_peers:
+        raise SystemExit("bloombee-server: pass --initial-peers of a running swarm, or --new-swarm to start one")
+    settings = load_settings(ServerSettings, settings_overrides(args, ServerSettings))
+    dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal)
+    if args.new_swarm:
+        print("Started a new swarm. Join it with:", flush=True)
+        print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
+    start, end = args.blocks or (None, None)
+    choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
+    try:
+        server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
+                        public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8)
+        asyncio.run(server.run())
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The model's transformer blocks as served by the swarm: stateless forward and inference sessions."""
+
+import asyncio
+import logging
+
+import hivemind
+import torch
+from hivemind.p2p import PeerID
+
+from bloombee.client.loop import run_sync
+from bloombee.client.routing import SequenceManager
+from bloombee.client.session import InferenceSession
+from bloombee.client.spans import RequestRejected
+from bloombee.codec import LAYOUTS
+from bloombee.protocol import ErrorKind, Message, MessageKind, pack, unpack
+from bloombee.server.handler import BlockServicer
+from bloombee.settings import ClientSettings
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteSequential:
+    """Blocks 0..L-1 of a model, reached through the DHT-announced servers of the swarm."""
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, hidden_size: int, settings: ClientSettings,
+                 model_name: str = "", allowed_servers: list[str] | None = None, blocked_servers: list[str] | None = None):
+        self.dht, self.settings, self.hidden_size = dht, settings, hidden_size
+        self.manager = SequenceManager(dht, prefix, num_blocks, hidden_size, settings, model_name, allowed_servers, blocked_servers)
+        self.p2p = run_sync(dht.replicate_p2p())
+
+    def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
+        """Open a session along the best chain; close it (or use it as a context manager) when done."""
+        session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings, LAYOUTS)
+        return session.open()
+
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Stateless forward of whole sequences through every block, span by span, re-routing around failures."""
+        return run_sync(self._forward(hidden, token_mask))
+
+    async def _forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        position = 0
+        for attempt in range(self.settings.max_retries + 1):
+            spans = await loop.run_in_executor(None, self.manager.make_route, position, self.manager.num_blocks)
+            for span in spans:
+                try:
+                    hidden = await self._forward_span(span, hidden, token_mask)
+                    position = span.end
+                except (ConnectionError, OSError, TimeoutError) as error:
+                    logger.warning("Forward through %s failed (%r); re-routing", span.peer_id, error)
+                    self.manager.ban(span.peer_id)
+                    break
+            else:
+                return hidden
+        raise RuntimeError(f"forward failed after {self.settings.max_retries + 1} attempts")
+
+    async def _forward_span(self, span, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        tensors = {"hidden": hidden} if token_mask is None else {"hidden": hidden, "token_mask": token_mask.to(torch.bool)}
+        request = pack(Message(kind=MessageKind.FORWARD, start_block=span.start, end_block=span.end), tensors, span.record.codecs or None)
+        stub = BlockServicer.get_stub(self.p2p, PeerID.from_base58(span.peer_id))
+        responses = await stub.rpc_forward(single(request))
+        reply = await asyncio.wait_for(anext(aiter(responses), None), self.settings.request_timeout)
+        if reply is None:
+            raise ConnectionError(f"server {span.peer_id} closed the forward stream without answering")
+        message, tensors = unpack(reply)
+        if message.kind == MessageKind.ERROR:
+            if message.error_kind == ErrorKind.INVALID:
+                raise RequestRejected(f"server {span.peer_id} rejected the forward: {message.error}")
+            raise ConnectionError(f"server {span.peer_id}: {message.error}")
+        return tensors["hidden"]
+
+
+async def single(item):
+    """A one-item async stream, for stream RPCs that take one request."""
+    yield item
+

@@ -1,0 +1,133 @@
+"""The client's view of the swarm: who serves which blocks, which servers are banned, the best chain."""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import hivemind
+
+from bloombee.dht.records import ServerRecord, ServerState, fetch_records
+from bloombee.settings import ClientSettings
+
+logger = logging.getLogger(__name__)
+
+ACTIVATION_BYTES_PER_VALUE = 2
+
+
+class MissingBlocksError(RuntimeError):
+    """Some blocks of the model are served by no usable server."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One server of a chain and the blocks [start, end) the chain uses it for."""
+
+    peer_id: str
+    start: int
+    end: int
+    record: ServerRecord
+
+
+def format_ranges(blocks: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1..3, 7'."""
+    ranges, first = [], None
+    for index, block in enumerate(blocks):
+        if first is None:
+            first = block
+        if index + 1 == len(blocks) or blocks[index + 1] != block + 1:
+            ranges.append(f"{first}..{block}" if block != first else str(block))
+            first = None
+    return ", ".join(ranges)
+
+
+class SequenceManager:
+    """Reads server records from the DHT, keeps bans with growing back-off, and picks chains of servers."""
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, hidden_size: int, settings: ClientSettings,
+                 model_name: str = "", allowed_servers: list[str] | None = None, blocked_servers: list[str] | None = None):
+        self.dht, self.prefix, self.num_blocks, self.hidden_size = dht, prefix, num_blocks, hidden_size
+        self.settings, self.model_name = settings, model_name or prefix
+        self.allowed_servers = set(allowed_servers) if allowed_servers else None
+        self.blocked_servers = set(blocked_servers or ())
+        self._records: list[dict[str, ServerRecord]] = [{} for _ in range(num_blocks)]
+        self._updated_at = float("-inf")
+        self._bans: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def update(self, force: bool = False) -> None:
+        """Refresh the records when they are older than update_period (or always when forced)."""
+        if not force and time.monotonic() - self._updated_at < self.settings.update_period:
+            return
+        records = fetch_records(self.dht, self.prefix, self.num_blocks)
+        with self._lock:
+            self._records, self._updated_at = records, time.monotonic()
+
+    def ban(self, peer_id: str) -> None:
+        """Exclude a failing server for ban_base_seconds, doubling on each new failure."""
+        with self._lock:
+            _, failures = self._bans.get(peer_id, (0.0, 0))
+            seconds = min(self.settings.ban_base_seconds * 2**failures, self.settings.ban_max_seconds)
+            self._bans[peer_id] = (time.monotonic() + seconds, failures + 1)
+        logger.warning("Banned server %s for %.0f s", peer_id, seconds)
+
+    def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
+        if record.state != ServerState.ONLINE or peer_id in self.blocked_servers:
+            return False
+        if self.allowed_servers is not None and peer_id not in self.allowed_servers and record.public_name not in self.allowed_servers:
+            return False
+        banned_until, _ = self._bans.get(peer_id, (0.0, 0))
+        return time.monotonic() >= banned_until
+
+    def usable_servers(self) -> dict[str, ServerRecord]:
+        with self._lock:
+            return {peer_id: record for records in self._records for peer_id, record in records.items()
+                    if self.is_usable(peer_id, record)}
+
+    def make_route(self, start: int = 0, end: int | None = None) -> list[Span]:
+        """The chain covering blocks [start, end) with the least estimated step time; refreshes once if needed."""
+        end = self.num_blocks if end is None else end
+        self.update()
+        try:
+            return self._shortest_chain(start, end)
+        except MissingBlocksError:
+            self.update(force=True)
+            return self._shortest_chain(start, end)
+
+    def hop_cost(self, record: ServerRecord, num_blocks: int) -> float:
+        """Estimated seconds of one decode step through `num_blocks` blocks of this server, hop included."""
+        transfer = self.hidden_size * ACTIVATION_BYTES_PER_VALUE / record.link_bandwidth
+        compute = num_blocks / max(record.throughput, 1e-9)
+        return self.settings.hop_penalty_seconds + transfer + compute
+
+    def _shortest_chain(self, start: int, end: int) -> list[Span]:
+        servers = self.usable_servers()
+        best: dict[int, tuple[float, Span | None]] = {start: (0.0, None)}
+        for position in range(start, end):
+            if position not in best:
+                continue
+            cost_here = best[position][0]
+            for peer_id, record in servers.items():
+                if not record.start_block <= position < record.end_block:
+                    continue
+                for stop in range(position + 1, min(record.end_block, end) + 1):
+                    cost = cost_here + self.hop_cost(record, stop - position)
+                    if stop not in best or cost < best[stop][0]:
+                        best[stop] = (cost, Span(peer_id, position, stop, record))
+        if end not in best:
+            raise MissingBlocksError(self._missing_message(start, end, servers))
+        chain, position = [], end
+        while position != start:
+            span = best[position][1]
+            chain.append(span)
+            position = span.start
+        return chain[::-1]
+
+    def _missing_message(self, start: int, end: int, servers: dict[str, ServerRecord]) -> str:
+        missing = [block for block in range(start, end)
+                   if not any(record.start_block <= block < record.end_block for record in servers.values())]
+        missing = missing or list(range(start, end))
+        first, last = missing[0], missing[-1]
+        return (f"blocks {format_ranges(missing)} of model {self.model_name!r} are not served by any usable online server; "
+                f"start a server for them, e.g. `bloombee-server --model {self.model_name} --blocks {first}:{last + 1} "
+                f"--initial-peers ...`")

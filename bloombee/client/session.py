@@ -1,0 +1,216 @@
+"""An inference session: one generation's stateful chain of servers, with failover by history replay."""
+
+import asyncio
+import logging
+
+import torch
+from hivemind.p2p import P2P
+
+from bloombee.client.loop import run_sync
+from bloombee.client.routing import SequenceManager, Span
+from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
+from bloombee.codec import CodecError
+from bloombee.protocol import ErrorKind, Hop, Message, MessageKind, StepHeader, pack, unpack
+from bloombee.settings import ClientSettings
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceSession:
+    """Sends steps of hidden states through the chain; each server pushes to the next, the last replies.
+
+    The client keeps only its own inputs (the first span's history). When a server fails, the spans
+    it covered are re-routed to other servers, which are given the history of their inputs (from the
+    client, or from the previous server's output history) so that their caches are rebuilt at the
+    same positions, and the step is retried.
+    """
+
+    def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int,
+                 hidden_size: int, settings: ClientSettings, codecs: tuple[str, ...] = ()):
+        self.manager, self.p2p, self.settings, self.codecs = manager, p2p, settings, codecs
+        self.max_length, self.batch_size = max_length, batch_size
+        self.position = 0
+        self.streams: list[SpanStream] = []
+        self.hidden_size = hidden_size
+        self.input_history: torch.Tensor | None = None  # [batch, max_length, hidden], allocated at the first step
+        self.mask_history = torch.zeros(batch_size, max_length, dtype=torch.bool)
+        self.recoveries = 0
+        self._step_id = 0
+        self._events: asyncio.Queue | None = None
+        self._closed = False
+
+    @property
+    def spans(self) -> list[Span]:
+        return [stream.span for stream in self.streams]
+
+    # -- the synchronous API ------------------------------------------------------------------
+
+    def open(self) -> "InferenceSession":
+        run_sync(self._open())
+        return self
+
+    def step(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None, start_position: int | None = None) -> torch.Tensor:
+        """Run `hidden` [batch, T, H] at positions [start, start + T) (default: where the last step ended)."""
+        return run_sync(self._step(hidden, token_mask, start_position))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            run_sync(self._close_streams(self.streams))
+
+    def __enter__(self) -> "InferenceSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals, on the client loop --------------------------------------------------------
+
+    async def _open(self) -> None:
+        self._events = asyncio.Queue()
+        self.streams = await self._open_route(0, self.manager.num_blocks)
+
+    async def _open_route(self, start: int, end: int) -> list[SpanStream]:
+        """Route blocks [start, end) and open a session on each server, banning unreachable ones."""
+        loop = asyncio.get_running_loop()
+        for _ in range(self.settings.max_retries + 1):
+            spans = await loop.run_in_executor(None, self.manager.make_route, start, end)
+            streams = [SpanStream(span, self._events) for span in spans]
+            results = await asyncio.gather(
+                *(stream.open(self.p2p, self.max_length, self.batch_size, self.codecs, self.settings.request_timeout)
+                  for stream in streams), return_exceptions=True)
+            failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
+            if not failed:
+                return streams
+            await self._close_streams([stream for stream, result in zip(streams, results) if result is None])
+            for stream, error in failed:
+                if isinstance(error, RequestRejected):
+                    raise error
+                logger.warning("Could not open a session on %s: %r", stream.span.peer_id, error)
+                self.manager.ban(stream.span.peer_id)
+        raise RuntimeError(f"could not open sessions for blocks [{start}, {end}) after {self.settings.max_retries + 1} attempts")
+
+    async def _close_streams(self, streams: list[SpanStream]) -> None:
+        for stream in streams:
+            await stream.close()
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    async def _step(self, hidden: torch.Tensor, token_mask: torch.Tensor | None, start_position: int | None) -> torch.Tensor:
+        if self._events is None or self._closed:
+            raise RuntimeError("the inference session is not open; use it inside `with model.inference_session(...)`")
+        batch, num_tokens = hidden.shape[0], hidden.shape[1]
+        start = self.position if start_position is None else start_position
+        if batch != self.batch_size:
+            raise ValueError(f"this session was opened for batch size {self.batch_size}, got hidden states of batch {batch}")
+        if not 0 <= start <= self.position or start + num_tokens > self.max_length:
+            raise ValueError(f"positions [{start}, {start + num_tokens}) do not fit this session "
+                             f"(written up to {self.position}, max_length {self.max_length})")
+        mask = torch.ones(batch, num_tokens, dtype=torch.bool) if token_mask is None else token_mask.to(torch.bool).cpu()
+        with torch.inference_mode():
+            if self.input_history is None:
+                self.input_history = torch.zeros(batch, self.max_length, self.hidden_size, dtype=hidden.dtype)
+            self.input_history[:, start:start + num_tokens] = hidden.detach().to(self.input_history.dtype).cpu()
+            self.mask_history[:, start:start + num_tokens] = mask
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                output = await self._run_chain(self.streams, hidden, mask, start, reply=True)
+                self.position = start + num_tokens
+                return output
+            except ServerFailed as failure:
+                if attempt == self.settings.max_retries:
+                    raise RuntimeError(f"step failed after {attempt + 1} attempts: {failure}") from failure
+                logger.warning("Server %s failed (%s); re-routing its blocks", self.streams[failure.index].span.peer_id, failure)
+                await self._recover(failure.index, start)
+        raise AssertionError("unreachable")
+
+    async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool) -> torch.Tensor | None:
+        """Send one step to the first server of `chain`; wait for the last one's output (or ack)."""
+        step_id = self._next_step_id()
+        route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.codecs) for stream in chain[1:])
+        header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply)
+        tensors = {"hidden": hidden}
+        if not bool(mask.all()):
+            tensors["token_mask"] = mask
+        await chain[0].send(pack(Message(kind=MessageKind.STEP, step=header), tensors, chain[0].codecs or None))
+        want = MessageKind.OUTPUT if reply else MessageKind.ACK
+        return await self._await(chain, step_id, want)
+
+    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind):
+        """Wait for message `want` of `step_id` from the last server of `chain`; raise ServerFailed on any failure."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.request_timeout
+        acked: set[int] = set()
+        while True:
+            try:
+                stream, item = await asyncio.wait_for(self._events.get(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                silent = next(index for index in range(len(chain)) if index not in acked)
+                raise ServerFailed(silent, f"no answer within {self.settings.request_timeout:g} s") from None
+            if stream not in chain:
+                continue
+            index = chain.index(stream)
+            if isinstance(item, BaseException):
+                raise ServerFailed(index, f"stream lost: {item!r}")
+            try:
+                message, tensors = unpack(item)
+            except (CodecError, ValueError) as error:
+                raise ServerFailed(index, f"sent a malformed message: {error}") from error
+            if message.step_id not in (None, step_id):
+                continue
+            if message.kind == MessageKind.ERROR:
+                self._raise_error(chain, index, message)
+            if message.kind == MessageKind.ACK:
+                acked.add(index)
+            if message.kind == want and index == len(chain) - 1:
+                return tensors.get("hidden")
+
+    @staticmethod
+    def _raise_error(chain: list[SpanStream], index: int, message: Message) -> None:
+        name = chain[index].span.record.public_name or chain[index].span.peer_id
+        if message.error_kind == ErrorKind.INVALID:
+            raise RequestRejected(f"server {name} rejected the request: {message.error}")
+        if message.error_kind == ErrorKind.PEER_FAILED:
+            peers = [stream.span.peer_id for stream in chain]
+            failed = peers.index(message.failed_peer) if message.failed_peer in peers else min(index + 1, len(chain) - 1)
+            raise ServerFailed(failed, message.error or "push failed")
+        raise ServerFailed(index, f"server {name}: {message.error}")
+
+    async def _recover(self, failed: int, history_end: int) -> None:
+        """Replace the failed span (and earlier ones whose history is lost) and rebuild their caches."""
+        self.recoveries += 1
+        self.manager.ban(self.streams[failed].span.peer_id)
+        first = failed
+        while True:
+            start_block, end_block = self.streams[first].span.start, self.streams[failed].span.end
+            await self._close_streams(self.streams[first:failed + 1])
+            new_streams = await self._open_route(start_block, end_block)
+            if history_end == 0:
+                break
+            if first == 0:
+                history = self.input_history[:, :history_end]
+            else:
+                try:
+                    history = await self._fetch_history(self.streams[first - 1], history_end)
+                except ServerFailed as error:
+                    logger.warning("Previous server %s lost too (%s)", self.streams[first - 1].span.peer_id, error)
+                    self.manager.ban(self.streams[first - 1].span.peer_id)
+                    await self._close_streams(new_streams)
+                    first -= 1
+                    continue
+            try:
+                await self._run_chain(new_streams, history, self.mask_history[:, :history_end], 0, reply=False)
+                break
+            except ServerFailed as error:
+                logger.warning("Replay onto new servers failed (%s); routing again", error)
+                self.manager.ban(new_streams[error.index].span.peer_id)
+                await self._close_streams(new_streams)
+        self.streams[first:failed + 1] = new_streams
+        logger.info("Recovered: chain is now %s", [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in self.streams])
+
+    async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
+        step_id = self._next_step_id()
+        await stream.send(pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=step_id)))
+        return await self._await([stream], step_id, MessageKind.HISTORY)

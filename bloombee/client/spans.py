@@ -1,0 +1,83 @@
+"""One open inference stream from the client to one server of the chain."""
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from bloombee.client.routing import Span
+from bloombee.protocol import ErrorKind, Message, MessageKind, OpenSession, pack
+from bloombee.server.handler import BlockServicer
+
+logger = logging.getLogger(__name__)
+
+
+class ServerFailed(Exception):
+    """A server of the chain failed (died, dropped the stream, timed out or could not push)."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(reason)
+        self.index = index
+
+
+class RequestRejected(ValueError):
+    """A server rejected the request itself (bad input or over its limits): retrying elsewhere will not help."""
+
+
+class SpanStream:
+    """Holds the stream of one span's session and feeds every response into the session's event queue."""
+
+    def __init__(self, span: Span, events: asyncio.Queue):
+        self.span, self.events = span, events
+        self.session_id = uuid.uuid4().hex
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        return self.span.record.codecs
+
+    async def open(self, p2p: P2P, max_length: int, batch_size: int, codecs: tuple[str, ...], timeout: float) -> None:
+        """Open the session; raises RequestRejected when the server refuses it, ConnectionError when unreachable."""
+        request = OpenSession(session_id=self.session_id, start_block=self.span.start, end_block=self.span.end,
+                              max_length=max_length, batch_size=batch_size, codecs=codecs)
+        await self._outbox.put(pack(Message(kind=MessageKind.OPEN, open=request)))
+        stub = BlockServicer.get_stub(p2p, PeerID.from_base58(self.span.peer_id))
+        responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
+        first = await asyncio.wait_for(anext(aiter(responses), None), timeout)
+        if first is None:
+            raise ConnectionError(f"server {self.span.peer_id} closed the stream before opening a session")
+        reply = Message.model_validate_json(first.metadata)
+        if reply.kind == MessageKind.ERROR:
+            name = self.span.record.public_name or self.span.peer_id
+            if reply.error_kind in (ErrorKind.INVALID, ErrorKind.REFUSED):
+                raise RequestRejected(f"server {name} refused the session: {reply.error}")
+            raise ConnectionError(f"server {name} failed to open a session: {reply.error}")
+        self._reader = asyncio.create_task(self._read(responses))
+
+    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            envelope = await self._outbox.get()
+            if envelope is None:
+                return
+            yield envelope
+
+    async def _read(self, responses: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        try:
+            async for envelope in responses:
+                await self.events.put((self, envelope))
+        except Exception as error:  # the stream broke; the session decides what to do
+            await self.events.put((self, error))
+            return
+        await self.events.put((self, ConnectionError(f"server {self.span.peer_id} closed the stream")))
+
+    async def send(self, envelope: runtime_pb2.ExpertRequest) -> None:
+        await self._outbox.put(envelope)
+
+    async def close(self) -> None:
+        await self._outbox.put(None)
+        if self._reader is not None:
+            self._reader.cancel()

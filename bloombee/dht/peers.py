@@ -1,0 +1,60 @@
+"""Starting hivemind DHT peers with NAT traversal switched off whenever they bind only to loopback."""
+
+import ipaddress
+import logging
+from typing import Sequence
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def binds_only_loopback(host_maddrs: Sequence[str]) -> bool:
+    """True when every host multiaddr names a loopback IP address."""
+    for maddr in host_maddrs:
+        protocols = Multiaddr(str(maddr)).items()
+        ips = [value for proto, value in protocols if proto.name in ("ip4", "ip6")]
+        if not ips or not all(ipaddress.ip_address(ip).is_loopback for ip in ips):
+            return False
+    return True
+
+
+def start_dht(
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+    nat_traversal: bool | None = None,
+    client_mode: bool = False,
+) -> hivemind.DHT:
+    """Start a DHT peer; NAT port mapping, AutoNAT and relays default to on, and are always off on loopback."""
+    loopback_only = binds_only_loopback(host_maddrs)
+    if nat_traversal is None:
+        nat_traversal = not loopback_only
+    elif nat_traversal and loopback_only:
+        logger.info("NAT traversal requested but every address is loopback: keeping it off")
+        nat_traversal = False
+    dht = hivemind.DHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) or None,
+        identity_path=identity_path,
+        client_mode=client_mode,
+        nat_port_map=nat_traversal,
+        auto_nat=nat_traversal,
+        use_relay=nat_traversal,
+        use_auto_relay=nat_traversal,
+        use_ipfs=False,
+        ensure_bootstrap_success=bool(initial_peers),
+        start=True,
+    )
+    logger.info("DHT peer %s started (NAT traversal %s)", dht.peer_id, "on" if nat_traversal else "off")
+    return dht
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Multiaddrs other peers can pass as --initial-peers, each ending with this peer's id."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]

@@ -1,0 +1,110 @@
+"""The DHT record a server announces for each block it hosts, and reading the swarm's records back."""
+
+import logging
+from enum import Enum
+from typing import Any
+
+import hivemind
+from hivemind.dht.node import DHTNode
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState(str, Enum):
+    JOINING = "joining"
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class ServerRecord(BaseModel):
+    """What a server says about itself, once per hosted block, under the key `{prefix}.{block}`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    state: ServerState
+    start_block: int = Field(ge=0)
+    end_block: int = Field(gt=0)
+    throughput: float = Field(ge=0, description="decode steps per second through one block at batch 1")
+    link_bandwidth: float = Field(gt=0, description="estimated link bandwidth, bytes per second")
+    cache_tokens_left: int = Field(ge=0)
+    dtype: str
+    device: str
+    version: str
+    public_name: str = ""
+    codecs: tuple[str, ...] = ()
+    features: tuple[str, ...] = ()
+    maddrs: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ServerRecord":
+        if self.end_block <= self.start_block:
+            raise ValueError(f"end_block {self.end_block} must exceed start_block {self.start_block}")
+        return self
+
+
+def block_key(prefix: str, block: int) -> str:
+    return f"{prefix}.{block}"
+
+
+def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, expiration_time: float) -> None:
+    """Store the record under every hosted block's key, with this peer's id as the subkey."""
+    keys = [block_key(prefix, block) for block in range(record.start_block, record.end_block)]
+    dht.run_coroutine(_StoreRecords(keys, dht.peer_id.to_base58(), record.model_dump(mode="json"), expiration_time))
+
+
+class _StoreRecords:
+    """Picklable coroutine that runs inside the DHT process and stores one record under many keys."""
+
+    def __init__(self, keys: list[str], subkey: str, value: dict[str, Any], expiration_time: float):
+        self.keys, self.subkey, self.value, self.expiration_time = keys, subkey, value, expiration_time
+
+    async def __call__(self, dht: hivemind.DHT, node: DHTNode) -> None:
+        results = await node.store_many(
+            keys=self.keys,
+            values=[self.value] * len(self.keys),
+            expiration_time=self.expiration_time,
+            subkeys=[self.subkey] * len(self.keys),
+        )
+        failed = [key for key, stored in results.items() if not stored]
+        if failed:
+            logging.getLogger(__name__).warning("DHT refused records for %s", failed)
+
+
+class _GetRecords:
+    """Picklable coroutine that fetches the raw subkey dictionaries of many keys."""
+
+    def __init__(self, keys: list[str]):
+        self.keys = keys
+
+    async def __call__(self, dht: hivemind.DHT, node: DHTNode) -> dict[str, dict[str, Any]]:
+        found = await node.get_many(self.keys, return_futures=False)
+        raw: dict[str, dict[str, Any]] = {}
+        for key, item in found.items():
+            if item is not None and isinstance(item.value, dict):
+                raw[key] = {subkey: entry.value for subkey, entry in item.value.items()}
+        return raw
+
+
+def fetch_records(dht: hivemind.DHT, prefix: str, num_blocks: int) -> list[dict[str, ServerRecord]]:
+    """For each block 0..num_blocks-1, the valid records keyed by peer id; malformed records are skipped."""
+    keys = [block_key(prefix, block) for block in range(num_blocks)]
+    raw = dht.run_coroutine(_GetRecords(keys))
+    per_block: list[dict[str, ServerRecord]] = []
+    for block, key in enumerate(keys):
+        records: dict[str, ServerRecord] = {}
+        for peer_id, value in raw.get(key, {}).items():
+            record = parse_record(value, key, peer_id)
+            if record is not None and record.start_block <= block < record.end_block:
+                records[str(peer_id)] = record
+        per_block.append(records)
+    return per_block
+
+
+def parse_record(value: Any, key: str, peer_id: Any) -> ServerRecord | None:
+    """Validate one raw value; a malformed record is logged and ignored."""
+    try:
+        return ServerRecord.model_validate(value)
+    except ValidationError as error:
+        logger.warning("Ignoring malformed record under %s from %s: %s", key, peer_id, error.errors()[0]["msg"])
+        return None

@@ -1,0 +1,93 @@
+"""Compute for the hosted blocks: session steps with KV caches and stateless forwards, on one device."""
+
+import logging
+
+import torch
+
+from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
+from bloombee.server.sessions import Session
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidStep(ValueError):
+    """A step's inputs do not fit the session (shape, dtype, positions); the message says what to fix."""
+
+
+class BlockBackend:
+    """Runs a sub-range of the hosted block stack; every call is made from the server's compute thread."""
+
+    def __init__(self, stack: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+        self.stack, self.device, self.dtype = stack, torch.device(device), dtype
+        self.start, self.end = stack.start, stack.end
+        self.hidden_size = stack.config.hidden_size
+
+    def check_range(self, start_block: int, end_block: int) -> None:
+        if not (self.start <= start_block < end_block <= self.end):
+            raise InvalidStep(
+                f"blocks [{start_block}, {end_block}) are not inside this server's range [{self.start}, {self.end})"
+            )
+
+    def new_caches(self, start_block: int, end_block: int, batch_size: int, max_length: int) -> list:
+        return self.stack.new_caches(batch_size, max_length, block_range=(start_block, end_block))
+
+    def _check_hidden(self, hidden: torch.Tensor) -> None:
+        if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
+            raise InvalidStep(f"hidden states must have shape [batch, tokens, {self.hidden_size}], got {list(hidden.shape)}")
+        if not hidden.is_floating_point():
+            raise InvalidStep(f"hidden states must be floating point, got {hidden.dtype}")
+
+    @torch.inference_mode()
+    def step(
+        self,
+        session: Session,
+        hidden: torch.Tensor,
+        start_position: int,
+        batch_offset: int,
+        token_mask: torch.Tensor | None,
+        rope_positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write tokens at slots [start_position, start_position + T) of rows [batch_offset, +b); return outputs."""
+        self._check_hidden(hidden)
+        batch, num_tokens = hidden.shape[0], hidden.shape[1]
+        end_position = start_position + num_tokens
+        if batch_offset + batch > session.batch_size:
+            raise InvalidStep(f"rows [{batch_offset}, {batch_offset + batch}) exceed the session's batch size {session.batch_size}")
+        if end_position > session.max_length:
+            raise InvalidStep(f"positions up to {end_position} exceed the session's max_length {session.max_length}")
+        rows = slice(batch_offset, batch_offset + batch)
+        if token_mask is not None:
+            if tuple(token_mask.shape) != (batch, num_tokens):
+                raise InvalidStep(f"token_mask must have shape {[batch, num_tokens]}, got {list(token_mask.shape)}")
+            session.token_mask[rows, start_position:end_position] = token_mask.to(torch.bool)
+        else:
+            session.token_mask[rows, start_position:end_position] = True
+        key_padding = session.token_mask[rows, :end_position].to(self.device)
+        if rope_positions is None:
+            rope_positions = rope_positions_from_padding(key_padding)[:, start_position:end_position]
+        elif tuple(rope_positions.shape) != (batch, num_tokens):
+            raise InvalidStep(f"rope_positions must have shape {[batch, num_tokens]}, got {list(rope_positions.shape)}")
+        cache_positions = torch.arange(start_position, end_position, device=self.device)
+        mask = causal_mask(cache_positions, end_position, key_padding)
+        out = self.stack(hidden.to(self.device, self.dtype), rope_positions.to(self.device, torch.long), session.caches,
+                         cache_positions, mask, batch_offset, block_range=(session.start_block, session.end_block))
+        session.output_history[rows, start_position:end_position] = out.to(session.output_history.device)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None) -> torch.Tensor:
+        """Stateless forward of whole sequences through blocks [start_block, end_block)."""
+        self.check_range(start_block, end_block)
+        self._check_hidden(hidden)
+        batch, num_tokens = hidden.shape[:2]
+        if token_mask is None:
+            key_padding = torch.ones(batch, num_tokens, dtype=torch.bool, device=self.device)
+        elif tuple(token_mask.shape) != (batch, num_tokens):
+            raise InvalidStep(f"token_mask must have shape {[batch, num_tokens]}, got {list(token_mask.shape)}")
+        else:
+            key_padding = token_mask.to(self.device, torch.bool)
+        rope_positions = rope_positions_from_padding(key_padding)
+        cache_positions = torch.arange(num_tokens, device=self.device)
+        mask = stateless_causal_mask(num_tokens, key_padding)
+        return self.stack(hidden.to(self.device, self.dtype), rope_positions, None, cache_positions, mask,
+                          block_range=(start_block, end_block))

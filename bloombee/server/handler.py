@@ -1,0 +1,219 @@
+"""The block server's RPCs: inference streams, pushes from the previous server, stateless forward, info."""
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
+
+import torch
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from pydantic import ValidationError
+
+from bloombee.codec import CodecError
+from bloombee.protocol import ErrorKind, Hop, Message, MessageKind, OpenSession, StepHeader, pack, unpack
+from bloombee.server.backend import BlockBackend, InvalidStep
+from bloombee.server.push import PushChannel
+from bloombee.server.sessions import Session, SessionRefused, SessionRegistry
+from bloombee.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+Envelope = runtime_pb2.ExpertRequest
+BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)
+
+
+def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None, failed_peer: str | None = None) -> Envelope:
+    return pack(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id, failed_peer=failed_peer))
+
+
+class BlockServicer(ServicerBase):
+    """Serves one block range; one instance per server process, registered on the server's P2P."""
+
+    def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict]):
+        self.backend, self.registry, self.settings, self._info = backend, registry, settings, info
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
+        self.p2p: P2P | None = None
+        self.sessions_served = 0
+
+    async def start(self, p2p: P2P) -> None:
+        self.p2p = p2p
+        await self.add_p2p_handlers(p2p)
+
+    async def rpc_info(self, request: Envelope, context: P2PContext) -> Envelope:
+        return pack(Message(kind=MessageKind.OPENED, info=self._info()))
+
+    async def rpc_forward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        async for request in requests:
+            try:
+                message, tensors = unpack(request)
+                if message.kind != MessageKind.FORWARD or message.start_block is None or message.end_block is None:
+                    raise InvalidStep("a forward request needs kind 'forward', start_block and end_block")
+                if "hidden" not in tensors:
+                    raise InvalidStep("a forward request needs a 'hidden' tensor")
+                out = await self._run(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
+                yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out})
+            except BAD_INPUT as error:
+                yield error_envelope(ErrorKind.INVALID, str(error))
+
+    async def rpc_push(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        async for request in requests:
+            try:
+                header = Message.model_validate_json(request.metadata).step
+            except ValidationError as error:
+                yield error_envelope(ErrorKind.INVALID, f"malformed push: {error.errors()[0]['msg']}")
+                continue
+            session = self.registry.get(header.session_id) if header is not None else None
+            if session is None:
+                yield error_envelope(ErrorKind.INVALID, "push names no session open on this server")
+                continue
+            await session.inbox.put(request)
+            yield pack(Message(kind=MessageKind.ACK, step_id=header.step_id))
+
+    async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
+        try:
+            session = self._open_session(first)
+        except BAD_INPUT as error:
+            yield error_envelope(ErrorKind.INVALID, str(error))
+            return
+        except SessionRefused as error:
+            yield error_envelope(ErrorKind.REFUSED, str(error))
+            return
+        self.sessions_served += 1
+        pump = asyncio.create_task(self._pump(requests, session))
+        try:
+            yield pack(Message(kind=MessageKind.OPENED, info={"cache_tokens_left": self.registry.budget.tokens_left}))
+            async for response in self._serve(session):
+                yield response
+        finally:
+            pump.cancel()
+            await self._close_push(session)
+            self.registry.remove(session)
+
+    def _open_session(self, envelope: Envelope) -> Session:
+        message = Message.model_validate_json(envelope.metadata)
+        request: OpenSession | None = message.open
+        if message.kind != MessageKind.OPEN or request is None:
+            raise InvalidStep("the first message of an inference stream must open a session")
+        self.backend.check_range(request.start_block, request.end_block)
+        if request.batch_size > self.settings.max_batch_size:
+            raise SessionRefused(f"batch size {request.batch_size} is over this server's limit of {self.settings.max_batch_size}")
+        if request.max_length > self.settings.max_length:
+            raise SessionRefused(f"max_length {request.max_length} is over this server's limit of {self.settings.max_length}")
+        tokens = request.batch_size * request.max_length
+        self.registry.budget.reserve(tokens)
+        try:
+            session = Session(
+                session_id=request.session_id,
+                start_block=request.start_block,
+                end_block=request.end_block,
+                batch_size=request.batch_size,
+                max_length=request.max_length,
+                caches=self.backend.new_caches(request.start_block, request.end_block, request.batch_size, request.max_length),
+                token_mask=torch.zeros(request.batch_size, request.max_length, dtype=torch.bool),
+                output_history=torch.zeros(request.batch_size, request.max_length, self.backend.hidden_size, dtype=self.backend.dtype),
+                reply_codecs=request.codecs,
+            )
+            self.registry.add(session)
+        except BaseException:
+            self.registry.budget.release(tokens)
+            raise
+        logger.info("Opened session %s: blocks [%d, %d), batch %d, max_length %d", session.session_id,
+                    session.start_block, session.end_block, session.batch_size, session.max_length)
+        return session
+
+    @staticmethod
+    async def _pump(requests: AsyncIterator[Envelope], session: Session) -> None:
+        """Move the client's messages into the session's inbox, where pushes also arrive; None marks the end."""
+        try:
+            async for request in requests:
+                await session.inbox.put(request)
+        finally:
+            session.inbox.put_nowait(None)
+
+    async def _serve(self, session: Session) -> AsyncIterator[Envelope]:
+        while True:
+            try:
+                item = await asyncio.wait_for(session.inbox.get(), timeout=self.settings.session_timeout)
+            except asyncio.TimeoutError:
+                yield error_envelope(ErrorKind.REFUSED, f"session idle for over {self.settings.session_timeout:g} s; its cache was freed")
+                return
+            if item is None:
+                return
+            session.last_active = time.monotonic()
+            if isinstance(item, Message):  # a failure reported by this session's push channel
+                yield pack(item)
+                continue
+            yield await self._handle(session, item)
+
+    async def _handle(self, session: Session, envelope: Envelope) -> Envelope:
+        """Run one message of a session; the client gets the output (last server) or an ack (others)."""
+        step_id = None
+        try:
+            message, tensors = unpack(envelope)
+            if message.kind == MessageKind.HISTORY:
+                return self._history(session, message)
+            if message.kind != MessageKind.STEP or message.step is None:
+                raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
+            header = message.step
+            step_id = header.step_id
+            if "hidden" not in tensors:
+                raise InvalidStep("a step needs a 'hidden' tensor")
+            out = await self._run(self.backend.step, session, tensors["hidden"], header.start_position,
+                                  header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
+        except BAD_INPUT as error:
+            return error_envelope(ErrorKind.INVALID, str(error), step_id)
+        except Exception as error:
+            logger.exception("Step %s of session %s failed", step_id, session.session_id)
+            return error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", step_id)
+        if header.route:
+            failure = await self._push(session, header, out, tensors)
+            if failure is not None:
+                return failure
+        elif header.reply:
+            return pack(Message(kind=MessageKind.OUTPUT, step_id=step_id), {"hidden": out}, session.reply_codecs or None)
+        return pack(Message(kind=MessageKind.ACK, step_id=step_id))
+
+    def _history(self, session: Session, message: Message) -> Envelope:
+        end = message.end_position
+        if end is None or not 0 <= end <= session.max_length:
+            raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
+        return pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=message.step_id),
+                    {"hidden": session.output_history[:, :end]}, session.reply_codecs or None)
+
+    async def _push(self, session: Session, header: StepHeader, out: torch.Tensor, tensors: dict) -> Envelope | None:
+        hop: Hop = header.route[0]
+        channel = self._channel(session, hop)
+        next_header = header.model_copy(update={"session_id": hop.session_id, "route": header.route[1:]})
+        forwarded = {"hidden": out, **{name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors}}
+        try:
+            await channel.send(pack(Message(kind=MessageKind.STEP, step=next_header), forwarded, hop.codecs or None))
+        except Exception as error:
+            return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
+        return None
+
+    def _channel(self, session: Session, hop: Hop) -> PushChannel:
+        channel: PushChannel | None = session.push_channel
+        if channel is not None and (channel.peer_id, channel.session_id) == (hop.peer_id, hop.session_id) and not channel.failed:
+            return channel
+        if channel is not None:
+            asyncio.create_task(channel.close())
+
+        def report(peer_id: str, reason: str) -> None:
+            session.inbox.put_nowait(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
+                                             error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
+
+        session.push_channel = PushChannel(self.p2p, self.get_stub, hop.peer_id, hop.session_id, report)
+        return session.push_channel
+
+    @staticmethod
+    async def _close_push(session: Session) -> None:
+        if session.push_channel is not None:
+            await session.push_channel.close()
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)

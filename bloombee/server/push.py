@@ -1,0 +1,65 @@
+"""A server's outgoing push stream to the next server of a session's chain."""
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from bloombee.protocol import Message, MessageKind
+
+logger = logging.getLogger(__name__)
+
+
+class PushChannel:
+    """Keeps one push stream to (peer, session) open and reports a failure through `on_failure` once."""
+
+    def __init__(self, p2p: P2P, stub_factory: Callable, peer_id: str, session_id: str, on_failure: Callable[[str, str], None]):
+        self.peer_id, self.session_id = peer_id, session_id
+        self._stub = stub_factory(p2p, PeerID.from_base58(peer_id))
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._on_failure = on_failure
+        self._reader: asyncio.Task | None = None
+        self._closing = False
+        self.failed = False
+
+    async def send(self, envelope: runtime_pb2.ExpertRequest) -> None:
+        if self.failed:
+            raise ConnectionError(f"push stream to {self.peer_id} has already failed")
+        if self._reader is None:
+            responses = await self._stub.rpc_push(self._requests())
+            self._reader = asyncio.create_task(self._read_acks(responses))
+        await self._outbox.put(envelope)
+
+    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            envelope = await self._outbox.get()
+            if envelope is None:
+                return
+            yield envelope
+
+    async def _read_acks(self, responses: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        try:
+            async for response in responses:
+                message = Message.model_validate_json(response.metadata)
+                if message.kind == MessageKind.ERROR:
+                    self._fail(message.error or "the next server refused a push")
+                    return
+        except Exception as error:  # the stream broke: the peer died or the connection dropped
+            self._fail(f"{type(error).__name__}: {error}")
+            return
+        if not self._closing:
+            self._fail("the next server closed the push stream")
+
+    def _fail(self, reason: str) -> None:
+        if not self.failed:
+            self.failed = True
+            logger.warning("Push to %s failed: %s", self.peer_id, reason)
+            self._on_failure(self.peer_id, reason)
+
+    async def close(self) -> None:
+        self._closing = True
+        await self._outbox.put(None)
+        if self._reader is not None:
+            self._reader.cancel()

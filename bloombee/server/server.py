@@ -1,0 +1,146 @@
+"""A block server process: load blocks, serve them over hivemind P2P, announce them in the DHT."""
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.utils import get_dht_time
+import torch
+
+import bloombee
+from bloombee import codec
+from bloombee.dht.records import ServerRecord, ServerState, announce, fetch_records
+from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
+from bloombee.protocol import PROTOCOL_FEATURES
+from bloombee.server.backend import BlockBackend
+from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
+from bloombee.server.handler import BlockServicer
+from bloombee.server.sessions import CacheBudget, SessionRegistry
+from bloombee.server.throughput import cached_block_throughput
+from bloombee.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockChoice:
+    """Which blocks to serve: an explicit range, or how many blocks to place where the swarm is weakest."""
+
+    start: int | None = None
+    end: int | None = None
+    num_blocks: int | None = None
+
+
+class Server:
+    """Owns one DHT peer, one block range and the servicer; `run()` serves until `stop()` or a signal."""
+
+    def __init__(self, model: str, dht: hivemind.DHT, blocks: BlockChoice, settings: ServerSettings,
+                 device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6):
+        self.model_path = resolve_model(model)
+        self.config = load_model_config(self.model_path)
+        self.prefix = dht_prefix(model)
+        self.total_blocks = self.config.num_hidden_layers
+        self.dht, self.settings, self.blocks = dht, settings, blocks
+        self.device, self.dtype_name = torch.device(device), dtype
+        self.public_name, self.link_bandwidth = public_name, link_bandwidth
+        self.budget = CacheBudget(settings.cache_tokens)
+        self.registry = SessionRegistry(self.budget)
+        self.state = ServerState.JOINING
+        self._stop = asyncio.Event()
+        self.backend = self._load(*self._initial_range())
+        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info)
+
+    def _initial_range(self) -> tuple[int, int]:
+        if self.blocks.start is not None and self.blocks.end is not None:
+            if not 0 <= self.blocks.start < self.blocks.end <= self.total_blocks:
+                raise ValueError(f"--blocks {self.blocks.start}:{self.blocks.end} is outside the model's "
+                                 f"{self.total_blocks} blocks; use START:END with 0 <= START < END <= {self.total_blocks}")
+            return self.blocks.start, self.blocks.end
+        num_blocks = min(self.blocks.num_blocks or self.total_blocks, self.total_blocks)
+        coverage = block_coverage(fetch_records(self.dht, self.prefix, self.total_blocks))
+        start = choose_start_block(coverage, num_blocks)
+        logger.info("Chose blocks [%d, %d) where the swarm is weakest (coverage %s)", start, start + num_blocks, coverage)
+        return start, start + num_blocks
+
+    def _load(self, start: int, end: int) -> BlockBackend:
+        dtype = self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
+        stack = load_block_stack(self.model_path, start, end, dtype=dtype, device=self.device)
+        backend = BlockBackend(stack, self.device, next(stack.parameters()).dtype)
+        key = f"{self.prefix}|{start}:{end}|{self.device.type}|{backend.dtype}"
+        self.throughput = cached_block_throughput(backend, key)
+        logger.info("Loaded blocks [%d, %d) of %s on %s as %s", start, end, self.model_path, self.device, backend.dtype)
+        return backend
+
+    def record(self) -> ServerRecord:
+        return ServerRecord(
+            state=self.state,
+            start_block=self.backend.start,
+            end_block=self.backend.end,
+            throughput=self.throughput,
+            link_bandwidth=self.link_bandwidth,
+            cache_tokens_left=self.budget.tokens_left,
+            dtype=str(self.backend.dtype).removeprefix("torch."),
+            device=self.device.type,
+            version=bloombee.__version__,
+            public_name=self.public_name,
+            codecs=codec.LAYOUTS,
+            features=PROTOCOL_FEATURES,
+            maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
+        )
+
+    def info(self) -> dict:
+        return {**self.record().model_dump(mode="json"), "peer_id": self.dht.peer_id.to_base58(),
+                "open_sessions": len(self.registry), "total_blocks": self.total_blocks, "prefix": self.prefix}
+
+    def _announce(self) -> None:
+        expiration = get_dht_time() + 3 * self.settings.announce_period
+        announce(self.dht, self.prefix, self.record(), expiration)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        p2p = await self.dht.replicate_p2p()
+        await self.servicer.start(p2p)
+        self.state = ServerState.ONLINE
+        logger.info("Serving blocks [%d, %d) of %s as %s", self.backend.start, self.backend.end, self.prefix, self.dht.peer_id)
+        try:
+            await self._maintain()
+        finally:
+            self.state = ServerState.OFFLINE
+            await loop.run_in_executor(None, self._announce)
+            self.servicer.compute.shutdown(wait=False)
+            logger.info("Announced offline and stopped")
+
+    async def _maintain(self) -> None:
+        """Announce every announce_period; look for a better range every rebalance_period when serving no one."""
+        loop = asyncio.get_running_loop()
+        since_rebalance = 0.0
+        while not self._stop.is_set():
+            await loop.run_in_executor(None, self._announce)
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=self.settings.announce_period)
+            except asyncio.TimeoutError:
+                pass
+            since_rebalance += self.settings.announce_period
+            if self.blocks.start is None and since_rebalance >= self.settings.rebalance_period:
+                since_rebalance = 0.0
+                await loop.run_in_executor(None, self._maybe_rebalance)
+
+    def _maybe_rebalance(self) -> None:
+        if len(self.registry):
+            return
+        records = fetch_records(self.dht, self.prefix, self.total_blocks)
+        coverage = block_coverage(records, exclude_peer=self.dht.peer_id.to_base58())
+        start = should_move(coverage, self.backend.start, self.backend.end, self.throughput, self.settings.balance_quality)
+        if start is None or len(self.registry):
+            return
+        num_blocks = self.backend.end - self.backend.start
+        logger.info("Moving from blocks [%d, %d) to [%d, %d) to balance the swarm", self.backend.start, self.backend.end, start, start + num_blocks)
+        self.state = ServerState.OFFLINE
+        self._announce()
+        self.backend = self.servicer.backend = self._load(start, start + num_blocks)
+        self.state = ServerState.ONLINE
+        self._announce()

@@ -1,0 +1,57 @@
+"""Measure how fast this server's blocks decode, once per model/range/device/dtype, and cache the figure."""
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bloombee.server.backend import BlockBackend
+from bloombee.server.sessions import Session
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE = Path(os.environ.get("BLOOMBEE_CACHE", Path.home() / ".cache" / "bloombee")) / "throughput.json"
+
+
+def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
+    """Decode steps per second through one block at batch 1 (total steps x blocks / seconds)."""
+    num_blocks = backend.end - backend.start
+    max_length = steps + 1
+    session = Session(
+        session_id="throughput-probe",
+        start_block=backend.start,
+        end_block=backend.end,
+        batch_size=1,
+        max_length=max_length,
+        caches=backend.new_caches(backend.start, backend.end, 1, max_length),
+        token_mask=torch.zeros(1, max_length, dtype=torch.bool),
+        output_history=torch.zeros(1, max_length, backend.hidden_size, dtype=backend.dtype),
+    )
+    hidden = torch.randn(1, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    backend.step(session, hidden, 0, 0, None, None)  # warm-up
+    began = time.perf_counter()
+    for position in range(1, steps + 1):
+        backend.step(session, hidden, position, 0, None, None)
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize(backend.device)
+    elapsed = time.perf_counter() - began
+    return steps * num_blocks / elapsed
+
+
+def cached_block_throughput(backend: BlockBackend, key: str, cache_path: Path = DEFAULT_CACHE) -> float:
+    """The measured throughput for `key`, measuring and storing it the first time."""
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    if key in cache:
+        logger.info("Throughput %.1f block-steps/s for %s (cached in %s)", cache[key], key, cache_path)
+        return float(cache[key])
+    throughput = measure_block_throughput(backend)
+    cache[key] = throughput
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    tmp.replace(cache_path)
+    logger.info("Measured throughput %.1f block-steps/s for %s", throughput, key)
+    return throughput
