@@ -4,6 +4,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import hivemind
 
@@ -89,10 +90,10 @@ class SequenceManager:
         end = self.num_blocks if end is None else end
         self.update()
         try:
-            return self._shortest_chain(start, end)
+            return best_chain(self.usable_servers(), start, end, self.hop_cost, self.model_name)
         except MissingBlocksError:
             self.update(force=True)
-            return self._shortest_chain(start, end)
+            return best_chain(self.usable_servers(), start, end, self.hop_cost, self.model_name)
 
     def hop_cost(self, record: ServerRecord, num_blocks: int) -> float:
         """Estimated seconds of one decode step through `num_blocks` blocks of this server, hop included."""
@@ -100,34 +101,37 @@ class SequenceManager:
         compute = num_blocks / max(record.throughput, 1e-9)
         return self.settings.hop_penalty_seconds + transfer + compute
 
-    def _shortest_chain(self, start: int, end: int) -> list[Span]:
-        servers = self.usable_servers()
-        best: dict[int, tuple[float, Span | None]] = {start: (0.0, None)}
-        for position in range(start, end):
-            if position not in best:
-                continue
-            cost_here = best[position][0]
-            for peer_id, record in servers.items():
-                if not record.start_block <= position < record.end_block:
-                    continue
-                for stop in range(position + 1, min(record.end_block, end) + 1):
-                    cost = cost_here + self.hop_cost(record, stop - position)
-                    if stop not in best or cost < best[stop][0]:
-                        best[stop] = (cost, Span(peer_id, position, stop, record))
-        if end not in best:
-            raise MissingBlocksError(self._missing_message(start, end, servers))
-        chain, position = [], end
-        while position != start:
-            span = best[position][1]
-            chain.append(span)
-            position = span.start
-        return chain[::-1]
 
-    def _missing_message(self, start: int, end: int, servers: dict[str, ServerRecord]) -> str:
-        missing = [block for block in range(start, end)
-                   if not any(record.start_block <= block < record.end_block for record in servers.values())]
-        missing = missing or list(range(start, end))
-        first, last = missing[0], missing[-1]
-        return (f"blocks {format_ranges(missing)} of model {self.model_name!r} are not served by any usable online server; "
-                f"start a server for them, e.g. `bloombee-server --model {self.model_name} --blocks {first}:{last + 1} "
-                f"--initial-peers ...`")
+def best_chain(servers: dict[str, ServerRecord], start: int, end: int,
+               hop_cost: Callable[[ServerRecord, int], float], model_name: str = "the model") -> list[Span]:
+    """Cheapest chain of spans covering [start, end): a shortest path over block boundaries."""
+    best: dict[int, tuple[float, Span | None]] = {start: (0.0, None)}
+    for position in range(start, end):
+        if position not in best:
+            continue
+        cost_here = best[position][0]
+        for peer_id, record in servers.items():
+            if not record.start_block <= position < record.end_block:
+                continue
+            for stop in range(position + 1, min(record.end_block, end) + 1):
+                cost = cost_here + hop_cost(record, stop - position)
+                if stop not in best or cost < best[stop][0]:
+                    best[stop] = (cost, Span(peer_id, position, stop, record))
+    if end not in best:
+        raise MissingBlocksError(missing_blocks_message(servers, start, end, model_name))
+    chain, position = [], end
+    while position != start:
+        span = best[position][1]
+        chain.append(span)
+        position = span.start
+    return chain[::-1]
+
+
+def missing_blocks_message(servers: dict[str, ServerRecord], start: int, end: int, model_name: str) -> str:
+    missing = [block for block in range(start, end)
+               if not any(record.start_block <= block < record.end_block for record in servers.values())]
+    missing = missing or list(range(start, end))
+    first, last = missing[0], missing[-1]
+    return (f"blocks {format_ranges(missing)} of model {model_name!r} are not served by any usable online server; "
+            f"start a server for them, e.g. `bloombee-server --model {model_name} --blocks {first}:{last + 1} "
+            f"--initial-peers ...`")

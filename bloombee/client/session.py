@@ -103,6 +103,8 @@ class InferenceSession:
             raise RuntimeError("the inference session is not open; use it inside `with model.inference_session(...)`")
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
         start = self.position if start_position is None else start_position
+        if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden states must have shape [batch, tokens, {self.hidden_size}], got {list(hidden.shape)}")
         if batch != self.batch_size:
             raise ValueError(f"this session was opened for batch size {self.batch_size}, got hidden states of batch {batch}")
         if not 0 <= start <= self.position or start + num_tokens > self.max_length:

@@ -1,0 +1,143 @@
+"""Start a real swarm on this machine: a bootstrap peer and block servers as separate processes.
+
+Used by the demo, the tests and the benchmarks. Every process binds to 127.0.0.1 only.
+"""
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+
+from bloombee.dht.peers import start_dht
+from bloombee.dht.records import ServerState, fetch_records
+
+logger = logging.getLogger(__name__)
+
+MADDR = re.compile(r"/ip4/\S+/p2p/\w+")
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class LocalSwarm:
+    """A bootstrap peer plus servers for one model; use as a context manager so everything is torn down."""
+
+    def __init__(self, model: str, num_blocks: int, prefix: str, log_dir: str | None = None, env: dict[str, str] | None = None,
+                 startup_timeout: float = 180.0):
+        self.model, self.num_blocks, self.prefix = model, num_blocks, prefix
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="bloombee-swarm-"))
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.servers: list[ServerProcess] = []
+        self.bootstrap: subprocess.Popen | None = None
+        self.initial_peers: list[str] = []
+        self._dht: hivemind.DHT | None = None
+
+    def __enter__(self) -> "LocalSwarm":
+        self.start_bootstrap()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, module: str, args: list[str], log_path: Path) -> subprocess.Popen:
+        log = open(log_path, "w")
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env, start_new_session=True)
+
+    def start_bootstrap(self) -> None:
+        log_path = self.log_dir / "bootstrap.log"
+        self.bootstrap = self._spawn("bloombee.cli.dht", [], log_path)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            found = MADDR.findall(log_path.read_text())
+            if found:
+                self.initial_peers = found
+                return
+            if self.bootstrap.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"bootstrap peer did not start; its log:\n{log_path.read_text()}")
+
+    @property
+    def dht(self) -> hivemind.DHT:
+        """A client-mode DHT peer of this process, for watching the swarm's records."""
+        if self._dht is None:
+            self._dht = start_dht(self.initial_peers, client_mode=True)
+        return self._dht
+
+    def add_server(self, *args: str, name: str | None = None, wait: bool = True) -> ServerProcess:
+        """Start `bloombee-server --model MODEL --initial-peers ... ARGS`; wait until it announces itself online."""
+        name = name or f"server{len(self.servers)}"
+        full_args = ["--model", self.model, "--initial-peers", *self.initial_peers, "--public-name", name, *args]
+        server = ServerProcess(name, self._spawn("bloombee.cli.server", full_args, self.log_dir / f"{name}.log"),
+                               self.log_dir / f"{name}.log", full_args)
+        self.servers.append(server)
+        if wait:
+            self.wait_online([name])
+        return server
+
+    def online_names(self) -> dict[str, tuple[int, int]]:
+        """Public names of online servers and their block ranges, as the DHT shows them now."""
+        online = {}
+        for records in fetch_records(self.dht, self.prefix, self.num_blocks):
+            for record in records.values():
+                if record.state == ServerState.ONLINE:
+                    online[record.public_name] = (record.start_block, record.end_block)
+        return online
+
+    def wait_online(self, names: list[str]) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if set(names) <= set(self.online_names()):
+                return
+            for server in self.servers:
+                if server.name in names and server.process.poll() is not None:
+                    raise RuntimeError(f"server {server.name} exited with {server.process.returncode}:\n{server.log_tail()}")
+            time.sleep(0.5)
+        tails = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in self.servers if s.name in names)
+        raise TimeoutError(f"servers {names} did not come online within {self.startup_timeout:g} s\n{tails}")
+
+    def server(self, name: str) -> ServerProcess:
+        return next(server for server in self.servers if server.name == name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a server; SIGKILL takes its whole process group (DHT and p2p daemon too), like a machine dying."""
+        server = self.server(name)
+        if sig == signal.SIGKILL:
+            os.killpg(server.process.pid, sig)
+        else:
+            server.process.send_signal(sig)
+        server.process.wait(timeout=60)
+
+    def stop(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL) and the watcher DHT."""
+        processes = [server.process for server in self.servers] + ([self.bootstrap] if self.bootstrap else [])
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None

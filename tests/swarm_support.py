@@ -1,0 +1,34 @@
+"""Helpers for tests that run a real local swarm (bootstrap peer + server processes on 127.0.0.1)."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from bloombee.client import AutoDistributedModel
+from bloombee.loading import dht_prefix
+from bloombee.local_swarm import LocalSwarm
+from conftest import make_tiny_model
+
+NUM_BLOCKS = 8
+
+
+def save_tiny_llama(folder: Path, num_layers: int = NUM_BLOCKS) -> Path:
+    """An 8-block GQA Llama with random weights, saved like a hub checkpoint."""
+    make_tiny_model("llama-gqa", num_layers=num_layers, seed=1).save_pretrained(folder)
+    return folder
+
+
+def reference(folder: Path):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def start_swarm(folder: Path, log_dir: Path, cache_dir: Path) -> LocalSwarm:
+    swarm = LocalSwarm(str(folder), NUM_BLOCKS, dht_prefix(folder), log_dir=str(log_dir),
+                       env={"BLOOMBEE_CACHE": str(cache_dir)})
+    swarm.start_bootstrap()
+    return swarm
+
+
+def client(swarm: LocalSwarm, **kwargs) -> AutoDistributedModel:
+    return AutoDistributedModel.from_pretrained(swarm.model, initial_peers=swarm.initial_peers, dtype=torch.float32, **kwargs)
