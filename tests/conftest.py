@@ -58,3 +58,12 @@ def tiny_checkpoint(tmp_path):
         return folder, model
 
     return make
+
+
+@pytest.fixture
+def single_thread_torch():
+    """Tiny models run fastest (and steadiest on a shared machine) with one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

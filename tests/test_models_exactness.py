@@ -13,6 +13,8 @@ from conftest import TINY_VARIANTS
 VARIANTS = list(TINY_VARIANTS)
 LAYERS = 4
 
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
 
 @pytest.fixture(autouse=True)
 def _no_grad():

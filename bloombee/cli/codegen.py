@@ -1,7 +1,6 @@
 """`bloombee-codegen`: render every specs/<family>.yaml into bloombee/models/<family>/."""
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -17,7 +16,6 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if any generated file differs from a fresh render")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         rendered = render_all(args.specs, args.templates)
     except (SpecError, FileNotFoundError) as e:
