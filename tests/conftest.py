@@ -22,10 +22,15 @@ TINY_VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=96, num_key_value_heads=2,
                                                            sliding_window=8)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, head_dim=32)),
+    "qwen3-sliding": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=6,
+        max_window_layers=2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(
         multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False)),
+    "falcon-sequential": ("FalconConfig", "FalconForCausalLM", dict(
+        multi_query=False, parallel_attn=False, new_decoder_architecture=False, bias=True, alibi=False)),
     "falcon-40b": ("FalconConfig", "FalconForCausalLM", dict(
         new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True, bias=False, alibi=False)),
 }

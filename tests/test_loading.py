@@ -227,13 +227,29 @@ def test_offline_hub_error_names_id_and_local_folder(offline_hub):
         load_block_stack("no-such-org/no-such-model", 0, 1)
 
 
-def test_hub_id_downloads_only_needed_shards(tiny_checkpoint, tmp_path, monkeypatch):
+def _to_bin_shards(folder):
+    """Replace a sharded safetensors checkpoint by PyTorch .bin shards with the same split and an index."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map = {}
+    for file in sorted(set(index.values())):
+        bin_file = file.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+        torch.save(load_file(folder / file), folder / bin_file)
+        weight_map.update({n: bin_file for n, f in index.items() if f == file})
+        os.remove(folder / file)
+    os.remove(folder / "model.safetensors.index.json")
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_hub_id_downloads_only_needed_shards(tiny_checkpoint, tmp_path, monkeypatch, fmt):
     """A fake hub serving a sharded checkpoint: a server for blocks 6..8 downloads only their shards."""
     import fnmatch
 
     import huggingface_hub
 
     hub, model = tiny_checkpoint("llama-gqa", 8, save_kwargs={"max_shard_size": "40KB"})
+    if fmt == "bin":
+        _to_bin_shards(hub)
     snapshot = tmp_path / "cache" / "models--some-org--Tiny-Llama-1.5" / "snapshots" / "rev"
     snapshot.mkdir(parents=True)
 
@@ -248,9 +264,11 @@ def test_hub_id_downloads_only_needed_shards(tiny_checkpoint, tmp_path, monkeypa
     monkeypatch.setitem(ALIASES, "tiny-llama", "some-org/Tiny-Llama-1.5")
     stack = load_block_stack("tiny-llama", 6, 8)
     assert sum(p.numel() * p.element_size() for p in stack.parameters()) == _block_bytes(model, [6, 7])
-    index = json.loads((hub / "model.safetensors.index.json").read_text())["weight_map"]
+    index_name = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    index = json.loads((hub / index_name).read_text())["weight_map"]
     wanted = {f for n, f in index.items() if n.startswith(("model.layers.6.", "model.layers.7."))}
-    assert {f.name for f in snapshot.glob("*.safetensors")} == wanted
+    assert {f.name for f in snapshot.glob(f"*.{fmt}")} == wanted
+    assert len(set(index.values())) > len(wanted)
     assert load_model_config("some-org/Tiny-Llama-1.5").num_hidden_layers == 8
     prefixes = {dht_prefix(x) for x in ("tiny-llama", "some-org/Tiny-Llama-1.5", snapshot)}
     assert prefixes == {"Tiny-Llama-1-5"}

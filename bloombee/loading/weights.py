@@ -108,7 +108,14 @@ def _checkpoint_folder(name_or_path, wanted) -> tuple[Path, CheckpointReader]:
         files = sorted({file for name, file in index.items() if wanted(name)})
         if not all((folder / file).is_file() for file in files):
             folder = resolve_model(name_or_path, weights=files)
-    elif not any((folder / f).is_file() for f in (SAFE_SINGLE, BIN_INDEX, BIN_SINGLE)):
+    elif (folder / BIN_INDEX).is_file() and not (folder / SAFE_SINGLE).is_file():
+        folder = resolve_model(name_or_path, weights=[SAFE_SINGLE])  # prefer safetensors if the hub has them
+        if not (folder / SAFE_SINGLE).is_file():
+            index = json.loads((folder / BIN_INDEX).read_text())["weight_map"]
+            files = sorted({file for name, file in index.items() if wanted(name)})
+            if not all((folder / file).is_file() for file in files):
+                folder = resolve_model(name_or_path, weights=files)
+    elif not any((folder / f).is_file() for f in (SAFE_SINGLE, BIN_SINGLE)):
         folder = resolve_model(name_or_path, weights=True)
     return folder, CheckpointReader(folder)
 

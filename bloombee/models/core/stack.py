@@ -50,10 +50,15 @@ class BlockStack(nn.Module):
             raise ValueError(f"blocks [{first}, {last}) are not inside the hosted range [{self.start}, {self.end}).")
         return first - self.start, last - self.start
 
-    def new_caches(self, batch_size: int, max_length: int, block_range: tuple[int, int] | None = None) -> list[KVCache]:
-        """One empty KV cache per block (of ``block_range``, default all), on the stack's device and dtype."""
+    def new_caches(self, batch_size: int, max_length: int, block_range: tuple[int, int] | None = None,
+                   cache_class: type | None = None) -> list[KVCache]:
+        """One empty KV cache per block (of ``block_range``, default all), on the stack's device and dtype.
+
+        ``cache_class`` (default ``self.cache_class``, i.e. KVCache) lets a variant, e.g. one keeping part of
+        the cache in host memory, take its place; it must accept the same constructor and ``update``."""
         lo, hi = self.local_range(block_range)
-        return [self.cache_class(batch_size, cfg.num_kv_heads, max_length, cfg.head_dim, self.dtype, self.device)
+        cls = cache_class or self.cache_class
+        return [cls(batch_size, cfg.num_kv_heads, max_length, cfg.head_dim, self.dtype, self.device)
                 for cfg in self.block_configs[lo:hi]]
 
     def forward(self, hidden: torch.Tensor, rope_positions: torch.Tensor, caches: list[KVCache] | None,
