@@ -68,7 +68,7 @@ def resolve_model(name_or_path: str | os.PathLike, weights: bool | list[str] = T
 
 def _download(repo_id: str, weights: bool | list[str]) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError
 
     if weights is True:
         patterns = METADATA_PATTERNS + WEIGHT_PATTERNS
@@ -78,6 +78,9 @@ def _download(repo_id: str, weights: bool | list[str]) -> Path:
         patterns = list(METADATA_PATTERNS) + list(weights)
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except GatedRepoError as e:
+        raise ModelNotFoundError(f"model {repo_id!r} is gated on the hub: accept its license on the model page and "
+                                 f"log in (`hf auth login`), or pass a local folder path holding a copy.") from e
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
         why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else \
