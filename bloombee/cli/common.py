@@ -9,8 +9,8 @@ from pydantic import BaseModel
 from bloombee.dht.peers import LOOPBACK_MADDRS
 
 
-def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+def setup_logging(verbose: bool = False, quiet_level: int = logging.INFO) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else quiet_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -33,6 +33,12 @@ class RemoteSequential:
         session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings, LAYOUTS)
         return session.open()
 
+    def server_info(self, peer_id: str) -> dict:
+        """What a server says about itself (its record, open sessions, cache left)."""
+        stub = BlockServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        reply = run_sync(stub.rpc_info(pack(Message(kind=MessageKind.INFO)), timeout=self.settings.request_timeout))
+        return Message.model_validate_json(reply.metadata).info
+
     def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Stateless forward of whole sequences through every block, span by span, re-routing around failures."""
         return run_sync(self._forward(hidden, token_mask))

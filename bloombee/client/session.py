@@ -125,7 +125,7 @@ class InferenceSession:
                 if attempt == self.settings.max_retries:
                     raise RuntimeError(f"step failed after {attempt + 1} attempts: {failure}") from failure
                 logger.warning("Server %s failed (%s); re-routing its blocks", self.streams[failure.index].span.peer_id, failure)
-                await self._recover(failure.index, start)
+                await self._recover(failure.index, start, ban=failure.ban)
         raise AssertionError("unreachable")
 
     async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool) -> torch.Tensor | None:
@@ -178,12 +178,13 @@ class InferenceSession:
             peers = [stream.span.peer_id for stream in chain]
             failed = peers.index(message.failed_peer) if message.failed_peer in peers else min(index + 1, len(chain) - 1)
             raise ServerFailed(failed, message.error or "push failed")
-        raise ServerFailed(index, f"server {name}: {message.error}")
+        raise ServerFailed(index, f"server {name}: {message.error}", ban=message.error_kind != ErrorKind.EXPIRED)
 
-    async def _recover(self, failed: int, history_end: int) -> None:
+    async def _recover(self, failed: int, history_end: int, ban: bool = True) -> None:
         """Replace the failed span (and earlier ones whose history is lost) and rebuild their caches."""
         self.recoveries += 1
-        self.manager.ban(self.streams[failed].span.peer_id)
+        if ban:
+            self.manager.ban(self.streams[failed].span.peer_id)
         first = failed
         while True:
             start_block, end_block = self.streams[first].span.start, self.streams[failed].span.end

@@ -16,11 +16,11 @@ logger = logging.getLogger(__name__)
 
 
 class ServerFailed(Exception):
-    """A server of the chain failed (died, dropped the stream, timed out or could not push)."""
+    """A server of the chain failed (died, dropped the stream, timed out, could not push) or expired our session."""
 
-    def __init__(self, index: int, reason: str):
+    def __init__(self, index: int, reason: str, ban: bool = True):
         super().__init__(reason)
-        self.index = index
+        self.index, self.ban = index, ban
 
 
 class RequestRejected(ValueError):

@@ -26,12 +26,14 @@ class MessageKind(str, Enum):
     ACK = "ack"  # server -> pushing server: the pushed step was queued
     HISTORY = "history"  # client -> server: send back your outputs for positions [0, end); server -> client: them
     FORWARD = "forward"  # client -> server: stateless forward over the given blocks
+    INFO = "info"  # client -> server: describe yourself; server -> client: the description
     ERROR = "error"  # any direction: what went wrong
 
 
 class ErrorKind(str, Enum):
     INVALID = "invalid"  # the request was wrong; retrying elsewhere will not help
     REFUSED = "refused"  # the server cannot take it now (limits, cache budget); another server may
+    EXPIRED = "expired"  # the session sat idle too long and its cache was freed; open it again
     PEER_FAILED = "peer_failed"  # the next server of the chain could not be reached
     INTERNAL = "internal"  # the server failed to compute
 

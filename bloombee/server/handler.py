@@ -42,7 +42,7 @@ class BlockServicer(ServicerBase):
         await self.add_p2p_handlers(p2p)
 
     async def rpc_info(self, request: Envelope, context: P2PContext) -> Envelope:
-        return pack(Message(kind=MessageKind.OPENED, info=self._info()))
+        return pack(Message(kind=MessageKind.INFO, info=self._info()))
 
     async def rpc_forward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         async for request in requests:
@@ -140,7 +140,7 @@ class BlockServicer(ServicerBase):
             try:
                 item = await asyncio.wait_for(session.inbox.get(), timeout=self.settings.session_timeout)
             except asyncio.TimeoutError:
-                yield error_envelope(ErrorKind.REFUSED, f"session idle for over {self.settings.session_timeout:g} s; its cache was freed")
+                yield error_envelope(ErrorKind.EXPIRED, f"session idle for over {self.settings.session_timeout:g} s; its cache was freed")
                 return
             if item is None:
                 return

@@ -1,0 +1,85 @@
+"""Server behaviour in a live swarm: block choice, session timeouts, identities, the client CLI."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from swarm_support import client, reference, save_tiny_llama, start_swarm
+
+CACHE_TOKENS = 4096
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "server-llama")
+    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
+    try:
+        swarm.add_server("--blocks", "0:4", "--dtype", "float32", "--session-timeout", "3",
+                         "--cache-tokens", str(CACHE_TOKENS), name="first")
+        swarm.add_server("--num-blocks", "4", "--dtype", "float32", name="second")
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+def test_server_without_blocks_takes_the_uncovered_range(swarm):
+    assert swarm.online_names() == {"first": (0, 4), "second": (4, 8)}
+
+
+def test_idle_session_times_out_frees_cache_and_is_rebuilt(swarm):
+    model = client(swarm)
+    with model.remote.inference_session(max_length=32) as session:
+        hidden = model.head.embed(torch.tensor([[4, 5, 6]]))
+        first_out = session.step(hidden)
+        first_peer = session.spans[0].peer_id
+        assert model.remote.server_info(first_peer)["cache_tokens_left"] == CACHE_TOKENS - 32
+        time.sleep(5)
+        assert model.remote.server_info(first_peer)["cache_tokens_left"] == CACHE_TOKENS
+        next_out = session.step(model.head.embed(torch.tensor([[7]])))
+        assert session.recoveries == 1
+    ref = reference(swarm.model)
+    with torch.no_grad():
+        logits = ref(torch.tensor([[4, 5, 6, 7]])).logits
+    assert torch.allclose(model.head.logits(first_out), logits[:, :3], atol=1e-5)
+    assert torch.allclose(model.head.logits(next_out), logits[:, 3:], atol=1e-5)
+
+
+def test_client_cli_generates_and_summarises(swarm):
+    ids = [3, 1, 4, 1, 5]
+    result = subprocess.run(
+        [sys.executable, "-m", "bloombee.cli.client", "generate", "--model", swarm.model, "--input-ids", ",".join(map(str, ids)),
+         "--max-new-tokens", "6", "--dtype", "float32", "--initial-peers", *swarm.initial_peers],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    expected = reference(swarm.model).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+    assert result.stdout.split() == [str(token) for token in expected.tolist()]
+    assert re.search(r"\[6 tokens in [\d.]+ s, [\d.]+ tokens/s, servers: first\[0:4\] -> second\[4:8\]\]", result.stderr)
+
+
+def test_client_cli_info_lists_servers(swarm):
+    result = subprocess.run([sys.executable, "-m", "bloombee.cli.client", "info", "--model", swarm.model,
+                             "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"first .* blocks 0:4\s+online", result.stdout) and re.search(r"second .* blocks 4:8\s+online", result.stdout)
+
+
+def test_identity_file_keeps_peer_id(tmp_path):
+    identity = tmp_path / "peer.key"
+    ids = []
+    for _ in range(2):
+        process = subprocess.Popen([sys.executable, "-m", "bloombee.cli.dht", "--identity-path", str(identity)],
+                                   stdout=subprocess.PIPE, text=True)
+        try:
+            for line in process.stdout:
+                found = re.search(r"/p2p/(\w+)", line)
+                if found:
+                    ids.append(found.group(1))
+                    break
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    assert len(ids) == 2 and ids[0] == ids[1]
