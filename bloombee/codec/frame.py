@@ -38,6 +38,7 @@ LAYOUT_IDS: dict[str, int] = {
     "zstd": 1,
     "bytesplit": 2,
     "bytesplit_ch": 3,
+    "bytesplit_rot": 4,
 }
 LAYOUT_NAMES: dict[int, str] = {v: k for k, v in LAYOUT_IDS.items()}
 LAYOUTS: tuple[str, ...] = tuple(LAYOUT_IDS)
