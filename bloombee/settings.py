@@ -37,6 +37,7 @@ class ClientSettings(BaseModel):
     ban_max_seconds: float = Field(300.0, gt=0)
     max_retries: int = Field(5, ge=0, description="times one step is re-routed after server failures")
     hop_penalty_seconds: float = Field(0.02, ge=0, description="extra cost per hop, to prefer shorter chains")
+    link_bandwidth_mbps: float = Field(100.0, gt=0, description="this machine's link speed, Mbit/s")
     compression: Literal["auto", "on", "off"] = "auto"
 
 

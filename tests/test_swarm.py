@@ -47,6 +47,25 @@ def test_greedy_batch4_left_padded_equals_local_model(model, ref):
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
 
 
+@pytest.mark.parametrize("compression", ["on", "off"])
+def test_compression_setting_is_lossless_and_reported(swarm, ref, compression):
+    model = client(swarm, compression=compression)
+    ids = torch.arange(1, 41).reshape(4, 10)
+    with model.inference_session(max_length=24, batch_size=4) as session:
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        hidden = model.head.embed(torch.arange(1, 41).reshape(4, 10))
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False))
+    with model.remote.inference_session(max_length=16, batch_size=4) as session:
+        session.step(hidden)
+        stats = session.last_step
+    if compression == "on":
+        assert stats.client_layout != "raw" and stats.sent_wire_bytes < stats.sent_raw_bytes
+    else:
+        assert stats.client_layout == "raw" and stats.sent_wire_bytes > stats.sent_raw_bytes
+    assert [report.peer_id for report in stats.reports] == [span.peer_id for span in session.spans]
+    assert all(report.compute_s > 0 and report.raw_bytes == 4 * 10 * 64 * 4 for report in stats.reports)
+
+
 def test_sampling_with_seed_is_reproducible(model):
     ids = torch.tensor([[5, 6, 7]])
     kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.9, top_k=50, repetition_penalty=1.1)

@@ -8,10 +8,11 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from bloombee.cli.common import add_peer_flags, setup_logging
+from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
 from bloombee.client import AutoDistributedModel
 from bloombee.dht.records import fetch_records
 from bloombee.loading import resolve_model
+from bloombee.settings import ClientSettings
 
 
 class PrintStreamer:
@@ -52,7 +53,8 @@ def generate(args: argparse.Namespace) -> None:
         raise SystemExit(f"bloombee-client: {args.model} has no tokenizer files; pass --input-ids 1,2,3 instead of --prompt")
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=args.dtype)
+    model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=args.dtype,
+                                                 **settings_overrides(args, ClientSettings))
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print tokens as they arrive")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     add_peer_flags(gen)
+    add_settings_flags(gen, ClientSettings)
     gen.set_defaults(run=generate)
     show = commands.add_parser("info", help="list the servers of a model")
     show.add_argument("--model", required=True)

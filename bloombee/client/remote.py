@@ -11,7 +11,7 @@ from bloombee.client.loop import run_sync
 from bloombee.client.routing import SequenceManager
 from bloombee.client.session import InferenceSession
 from bloombee.client.spans import RequestRejected
-from bloombee.codec import LAYOUTS
+from bloombee.codec import LAYOUTS, CompressionPolicy
 from bloombee.protocol import ErrorKind, Message, MessageKind, pack, unpack
 from bloombee.server.handler import BlockServicer
 from bloombee.settings import ClientSettings
@@ -27,10 +27,23 @@ class RemoteSequential:
         self.dht, self.settings, self.hidden_size = dht, settings, hidden_size
         self.manager = SequenceManager(dht, prefix, num_blocks, hidden_size, settings, model_name, allowed_servers, blocked_servers)
         self.p2p = run_sync(dht.replicate_p2p())
+        self._policies: dict[str, CompressionPolicy] = {}
+
+    @property
+    def link_bandwidth(self) -> float:
+        return self.settings.link_bandwidth_mbps * 1e6 / 8
+
+    def policy_for(self, peer_id: str, record) -> CompressionPolicy:
+        """The compression policy of the link to one server (shared by the sessions of this client)."""
+        if peer_id not in self._policies:
+            bandwidth = min(self.link_bandwidth, record.link_bandwidth)
+            self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth, accepted=record.codecs or ("raw",))
+        return self._policies[peer_id]
 
     def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
         """Open a session along the best chain; close it (or use it as a context manager) when done."""
-        session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings, LAYOUTS)
+        session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings,
+                                   self.policy_for, self.link_bandwidth)
         return session.open()
 
     def server_info(self, peer_id: str) -> dict:
@@ -62,7 +75,8 @@ class RemoteSequential:
 
     async def _forward_span(self, span, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         tensors = {"hidden": hidden} if token_mask is None else {"hidden": hidden, "token_mask": token_mask.to(torch.bool)}
-        request = pack(Message(kind=MessageKind.FORWARD, start_block=span.start, end_block=span.end), tensors, span.record.codecs or None)
+        message = Message(kind=MessageKind.FORWARD, start_block=span.start, end_block=span.end, codecs=LAYOUTS)
+        request = pack(message, tensors, self.policy_for(span.peer_id, span.record))
         stub = BlockServicer.get_stub(self.p2p, PeerID.from_base58(span.peer_id))
         responses = await stub.rpc_forward(single(request))
         reply = await asyncio.wait_for(anext(aiter(responses), None), self.settings.request_timeout)

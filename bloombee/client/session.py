@@ -2,6 +2,9 @@
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from hivemind.p2p import P2P
@@ -9,11 +12,26 @@ from hivemind.p2p import P2P
 from bloombee.client.loop import run_sync
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
-from bloombee.codec import CodecError
-from bloombee.protocol import ErrorKind, Hop, Message, MessageKind, StepHeader, pack, unpack
+from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
+from bloombee.dht.records import ServerRecord
+from bloombee.protocol import ErrorKind, Hop, HopReport, Message, MessageKind, StepHeader, encode_tensors, envelope, pack, unpack
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """Where one step's time and bytes went: the client's side and each server's report."""
+
+    client_encode_s: float = 0.0
+    client_decode_s: float = 0.0
+    client_layout: str = "raw"
+    sent_raw_bytes: int = 0
+    sent_wire_bytes: int = 0
+    received_wire_bytes: int = 0
+    total_s: float = 0.0
+    reports: list[HopReport | None] = field(default_factory=list)
 
 
 class InferenceSession:
@@ -25,9 +43,10 @@ class InferenceSession:
     same positions, and the step is retried.
     """
 
-    def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int,
-                 hidden_size: int, settings: ClientSettings, codecs: tuple[str, ...] = ()):
-        self.manager, self.p2p, self.settings, self.codecs = manager, p2p, settings, codecs
+    def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
+                 settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], link_bandwidth: float):
+        self.manager, self.p2p, self.settings = manager, p2p, settings
+        self.policy_for, self.link_bandwidth = policy_for, link_bandwidth
         self.max_length, self.batch_size = max_length, batch_size
         self.position = 0
         self.streams: list[SpanStream] = []
@@ -35,6 +54,7 @@ class InferenceSession:
         self.input_history: torch.Tensor | None = None  # [batch, max_length, hidden], allocated at the first step
         self.mask_history = torch.zeros(batch_size, max_length, dtype=torch.bool)
         self.recoveries = 0
+        self.last_step: StepStats | None = None
         self._step_id = 0
         self._events: asyncio.Queue | None = None
         self._closed = False
@@ -77,7 +97,7 @@ class InferenceSession:
             spans = await loop.run_in_executor(None, self.manager.make_route, start, end)
             streams = [SpanStream(span, self._events) for span in spans]
             results = await asyncio.gather(
-                *(stream.open(self.p2p, self.max_length, self.batch_size, self.codecs, self.settings.request_timeout)
+                *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.request_timeout)
                   for stream in streams), return_exceptions=True)
             failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
             if not failed:
@@ -130,17 +150,24 @@ class InferenceSession:
 
     async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool) -> torch.Tensor | None:
         """Send one step to the first server of `chain`; wait for the last one's output (or ack)."""
+        began = time.perf_counter()
         step_id = self._next_step_id()
-        route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.codecs) for stream in chain[1:])
+        route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
+                          link_bandwidth=stream.span.record.link_bandwidth) for stream in chain[1:])
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply)
         tensors = {"hidden": hidden}
         if not bool(mask.all()):
             tensors["token_mask"] = mask
-        await chain[0].send(pack(Message(kind=MessageKind.STEP, step=header), tensors, chain[0].codecs or None))
-        want = MessageKind.OUTPUT if reply else MessageKind.ACK
-        return await self._await(chain, step_id, want)
+        encoded = encode_tensors(tensors, self.policy_for(chain[0].span.peer_id, chain[0].span.record))
+        await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=header), encoded.frames))
+        stats = StepStats(client_encode_s=encoded.seconds, client_layout=encoded.layout, sent_raw_bytes=encoded.raw_bytes,
+                          sent_wire_bytes=encoded.wire_bytes, reports=[None] * len(chain))
+        output = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, stats)
+        stats.total_s = time.perf_counter() - began
+        self.last_step = stats
+        return output
 
-    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind):
+    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, stats: StepStats | None = None):
         """Wait for message `want` of `step_id` from the last server of `chain`; raise ServerFailed on any failure."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.request_timeout
@@ -156,6 +183,7 @@ class InferenceSession:
             index = chain.index(stream)
             if isinstance(item, BaseException):
                 raise ServerFailed(index, f"stream lost: {item!r}")
+            received = time.perf_counter()
             try:
                 message, tensors = unpack(item)
             except (CodecError, ValueError) as error:
@@ -164,9 +192,14 @@ class InferenceSession:
                 continue
             if message.kind == MessageKind.ERROR:
                 self._raise_error(chain, index, message)
+            if stats is not None and message.report is not None:
+                stats.reports[index] = message.report
             if message.kind == MessageKind.ACK:
                 acked.add(index)
             if message.kind == want and index == len(chain) - 1:
+                if stats is not None:
+                    stats.client_decode_s = time.perf_counter() - received
+                    stats.received_wire_bytes = sum(len(frame.buffer) for frame in item.tensors)
                 return tensors.get("hidden")
 
     @staticmethod

@@ -36,14 +36,11 @@ class SpanStream:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reader: asyncio.Task | None = None
 
-    @property
-    def codecs(self) -> tuple[str, ...]:
-        return self.span.record.codecs
-
-    async def open(self, p2p: P2P, max_length: int, batch_size: int, codecs: tuple[str, ...], timeout: float) -> None:
+    async def open(self, p2p: P2P, max_length: int, batch_size: int, codecs: tuple[str, ...], link_bandwidth: float,
+                   timeout: float) -> None:
         """Open the session; raises RequestRejected when the server refuses it, ConnectionError when unreachable."""
         request = OpenSession(session_id=self.session_id, start_block=self.span.start, end_block=self.span.end,
-                              max_length=max_length, batch_size=batch_size, codecs=codecs)
+                              max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth)
         await self._outbox.put(pack(Message(kind=MessageKind.OPEN, open=request)))
         stub = BlockServicer.get_stub(p2p, PeerID.from_base58(self.span.peer_id))
         responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)

@@ -2,24 +2,32 @@
 
 from bloombee.protocol.messages import (
     PROTOCOL_FEATURES,
+    EncodedTensors,
     ErrorKind,
     Hop,
+    HopReport,
     Message,
     MessageKind,
     OpenSession,
     StepHeader,
+    encode_tensors,
+    envelope,
     pack,
     unpack,
 )
 
 __all__ = [
     "PROTOCOL_FEATURES",
+    "EncodedTensors",
     "ErrorKind",
     "Hop",
+    "HopReport",
     "Message",
     "MessageKind",
     "OpenSession",
     "StepHeader",
+    "encode_tensors",
+    "envelope",
     "pack",
     "unpack",
 ]

@@ -6,14 +6,17 @@ positions, a batch offset, optional per-token masks / rope positions / tree mask
 the chain, so that a server can push its output straight to the next server.
 """
 
+import time
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field
 
 from bloombee import codec
+from bloombee.codec import CompressionPolicy
 
 PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history")
 
@@ -39,12 +42,26 @@ class ErrorKind(str, Enum):
 
 
 class Hop(BaseModel):
-    """One server further down the chain and the session the client opened there."""
+    """One server further down the chain, the session the client opened there, and its link."""
 
     model_config = ConfigDict(extra="forbid")
     peer_id: str
     session_id: str
     codecs: tuple[str, ...] = ()
+    link_bandwidth: float | None = None
+
+
+class HopReport(BaseModel):
+    """What one server did with one step: decode its input, compute, encode what it sent on."""
+
+    model_config = ConfigDict(extra="forbid")
+    peer_id: str = ""
+    layout: str = "raw"
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    decode_s: float = 0.0
+    compute_s: float = 0.0
+    encode_s: float = 0.0
 
 
 class OpenSession(BaseModel):
@@ -55,6 +72,7 @@ class OpenSession(BaseModel):
     max_length: int = Field(gt=0)
     batch_size: int = Field(gt=0)
     codecs: tuple[str, ...] = ()
+    link_bandwidth: float | None = Field(None, gt=0, description="the client's link, bytes/s")
 
 
 class StepHeader(BaseModel):
@@ -84,20 +102,46 @@ class Message(BaseModel):
     error_kind: ErrorKind | None = None
     failed_peer: str | None = None
     info: dict[str, Any] | None = None
+    report: HopReport | None = None
+    codecs: tuple[str, ...] | None = None  # layouts the sender accepts in the reply (forward requests)
 
 
-def pack(
-    message: Message,
-    tensors: dict[str, torch.Tensor] | None = None,
-    accepted: Iterable[str] | None = None,
-    layout: str = "raw",
-) -> runtime_pb2.ExpertRequest:
-    """Envelope for a message; tensors are encoded with `layout`, or raw where the receiver does not accept it."""
-    envelope = runtime_pb2.ExpertRequest(uid=message.kind.value, metadata=message.model_dump_json(exclude_none=True).encode())
+@dataclass
+class EncodedTensors:
+    """Frames ready for an envelope, with what encoding them cost."""
+
+    frames: list[runtime_pb2.Tensor]
+    layout: str  # the layout of the largest tensor
+    raw_bytes: int
+    wire_bytes: int
+    seconds: float
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor] | None, policy: CompressionPolicy | None = None) -> EncodedTensors:
+    """Encode named tensors: raw without a policy, else as the link's policy decides."""
+    began = time.perf_counter()
+    frames, layout, largest, raw_bytes = [], "raw", -1, 0
     for name, tensor in (tensors or {}).items():
-        frame = codec.encode(tensor, layout, accepted=None if accepted is None else tuple(accepted))
-        envelope.tensors.append(runtime_pb2.Tensor(buffer=frame, dtype=name))
-    return envelope
+        frame = codec.encode(tensor, "raw") if policy is None else policy.encode(tensor)
+        frames.append(runtime_pb2.Tensor(buffer=frame, dtype=name))
+        size = tensor.numel() * tensor.element_size()
+        raw_bytes += size
+        if size > largest:
+            largest, layout = size, codec.inspect(frame, verify=False).layout
+    wire_bytes = sum(len(frame.buffer) for frame in frames)
+    return EncodedTensors(frames, layout, raw_bytes, wire_bytes, time.perf_counter() - began)
+
+
+def envelope(message: Message, frames: list[runtime_pb2.Tensor] = ()) -> runtime_pb2.ExpertRequest:
+    result = runtime_pb2.ExpertRequest(uid=message.kind.value, metadata=message.model_dump_json(exclude_none=True).encode())
+    result.tensors.extend(frames)
+    return result
+
+
+def pack(message: Message, tensors: dict[str, torch.Tensor] | None = None,
+         policy: CompressionPolicy | None = None) -> runtime_pb2.ExpertRequest:
+    """Envelope for a message and its tensors (raw, or as `policy` decides)."""
+    return envelope(message, encode_tensors(tensors, policy).frames)
 
 
 def unpack(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> tuple[Message, dict[str, torch.Tensor]]:

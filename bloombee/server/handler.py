@@ -11,8 +11,21 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
 
-from bloombee.codec import CodecError
-from bloombee.protocol import ErrorKind, Hop, Message, MessageKind, OpenSession, StepHeader, pack, unpack
+from bloombee.codec import CodecError, CompressionPolicy
+from bloombee.protocol import (
+    EncodedTensors,
+    ErrorKind,
+    Hop,
+    HopReport,
+    Message,
+    MessageKind,
+    OpenSession,
+    StepHeader,
+    encode_tensors,
+    pack,
+    unpack,
+)
+from bloombee.protocol import envelope as envelope_of
 from bloombee.server.backend import BlockBackend, InvalidStep
 from bloombee.server.push import PushChannel
 from bloombee.server.sessions import Session, SessionRefused, SessionRegistry
@@ -31,14 +44,18 @@ def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None, faile
 class BlockServicer(ServicerBase):
     """Serves one block range; one instance per server process, registered on the server's P2P."""
 
-    def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict]):
+    def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict],
+                 link_bandwidth: float):
         self.backend, self.registry, self.settings, self._info = backend, registry, settings, info
+        self.link_bandwidth = link_bandwidth
+        self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
         self.p2p: P2P | None = None
+        self.peer_id = ""
         self.sessions_served = 0
 
     async def start(self, p2p: P2P) -> None:
-        self.p2p = p2p
+        self.p2p, self.peer_id = p2p, p2p.peer_id.to_base58()
         await self.add_p2p_handlers(p2p)
 
     async def rpc_info(self, request: Envelope, context: P2PContext) -> Envelope:
@@ -53,7 +70,8 @@ class BlockServicer(ServicerBase):
                 if "hidden" not in tensors:
                     raise InvalidStep("a forward request needs a 'hidden' tensor")
                 out = await self._run(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
-                yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out})
+                policy = self._policy(context.remote_id.to_base58(), self.link_bandwidth, message.codecs or ())
+                yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out}, policy)
             except BAD_INPUT as error:
                 yield error_envelope(ErrorKind.INVALID, str(error))
 
@@ -76,7 +94,7 @@ class BlockServicer(ServicerBase):
         if first is None:
             return
         try:
-            session = self._open_session(first)
+            session = self._open_session(first, context.remote_id.to_base58())
         except BAD_INPUT as error:
             yield error_envelope(ErrorKind.INVALID, str(error))
             return
@@ -94,7 +112,7 @@ class BlockServicer(ServicerBase):
             await self._close_push(session)
             self.registry.remove(session)
 
-    def _open_session(self, envelope: Envelope) -> Session:
+    def _open_session(self, envelope: Envelope, client_peer: str) -> Session:
         message = Message.model_validate_json(envelope.metadata)
         request: OpenSession | None = message.open
         if message.kind != MessageKind.OPEN or request is None:
@@ -117,6 +135,8 @@ class BlockServicer(ServicerBase):
                 token_mask=torch.zeros(request.batch_size, request.max_length, dtype=torch.bool),
                 output_history=torch.zeros(request.batch_size, request.max_length, self.backend.hidden_size, dtype=self.backend.dtype),
                 reply_codecs=request.codecs,
+                client_peer=client_peer,
+                client_bandwidth=request.link_bandwidth,
             )
             self.registry.add(session)
         except BaseException:
@@ -151,47 +171,82 @@ class BlockServicer(ServicerBase):
             yield await self._handle(session, item)
 
     async def _handle(self, session: Session, envelope: Envelope) -> Envelope:
-        """Run one message of a session; the client gets the output (last server) or an ack (others)."""
+        """Run one message of a session; the client gets the output (last server) or an ack with a report."""
         step_id = None
         try:
-            message, tensors = unpack(envelope)
+            message = Message.model_validate_json(envelope.metadata)
             if message.kind == MessageKind.HISTORY:
-                return self._history(session, message)
+                return await self._run(self._history, session, message)
             if message.kind != MessageKind.STEP or message.step is None:
                 raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
             header = message.step
             step_id = header.step_id
-            if "hidden" not in tensors:
-                raise InvalidStep("a step needs a 'hidden' tensor")
-            out = await self._run(self.backend.step, session, tensors["hidden"], header.start_position,
-                                  header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
+            next_hop = header.route[0] if header.route else None
+            policy = self._push_policy(next_hop) if next_hop else self._reply_policy(session)
+            encoded, report = await self._run(self._compute_step, session, envelope, header, policy)
         except BAD_INPUT as error:
             return error_envelope(ErrorKind.INVALID, str(error), step_id)
         except Exception as error:
             logger.exception("Step %s of session %s failed", step_id, session.session_id)
             return error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", step_id)
-        if header.route:
-            failure = await self._push(session, header, out, tensors)
+        if next_hop is not None:
+            failure = await self._push(session, header, encoded)
             if failure is not None:
                 return failure
         elif header.reply:
-            return pack(Message(kind=MessageKind.OUTPUT, step_id=step_id), {"hidden": out}, session.reply_codecs or None)
-        return pack(Message(kind=MessageKind.ACK, step_id=step_id))
+            return envelope_of(Message(kind=MessageKind.OUTPUT, step_id=step_id, report=report), encoded.frames)
+        return pack(Message(kind=MessageKind.ACK, step_id=step_id, report=report))
+
+    def _compute_step(self, session: Session, envelope: Envelope, header: StepHeader,
+                      policy: CompressionPolicy) -> tuple[EncodedTensors | None, HopReport]:
+        """Decode, compute and encode one step (in the compute thread); time each part."""
+        began = time.perf_counter()
+        _, tensors = unpack(envelope)
+        decoded = time.perf_counter()
+        if "hidden" not in tensors:
+            raise InvalidStep("a step needs a 'hidden' tensor")
+        out = self.backend.step(session, tensors["hidden"], header.start_position, header.batch_offset,
+                                tensors.get("token_mask"), tensors.get("rope_positions"))
+        computed = time.perf_counter()
+        report = HopReport(peer_id=self.peer_id, decode_s=decoded - began, compute_s=computed - decoded)
+        if not header.route and not header.reply:
+            return None, report
+        sent_on = {"hidden": out}
+        if header.route:
+            sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
+        encoded = encode_tensors(sent_on, policy)
+        report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes,
+                                               wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
+        return encoded, report
 
     def _history(self, session: Session, message: Message) -> Envelope:
         end = message.end_position
         if end is None or not 0 <= end <= session.max_length:
             raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
         return pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=message.step_id),
-                    {"hidden": session.output_history[:, :end]}, session.reply_codecs or None)
+                    {"hidden": session.output_history[:, :end]}, self._reply_policy(session))
 
-    async def _push(self, session: Session, header: StepHeader, out: torch.Tensor, tensors: dict) -> Envelope | None:
+    def _push_policy(self, hop: Hop) -> CompressionPolicy:
+        bandwidth = min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
+        return self._policy(hop.peer_id, bandwidth, hop.codecs)
+
+    def _reply_policy(self, session: Session) -> CompressionPolicy:
+        bandwidth = min(self.link_bandwidth, session.client_bandwidth or self.link_bandwidth)
+        return self._policy(session.client_peer, bandwidth, session.reply_codecs)
+
+    def _policy(self, peer_id: str, bandwidth: float, accepted: tuple[str, ...]) -> CompressionPolicy:
+        """One compression policy per link (peer), refined by what this server observes on it."""
+        if peer_id not in self._policies:
+            self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth, accepted=accepted or ("raw",))
+        return self._policies[peer_id]
+
+    async def _push(self, session: Session, header: StepHeader, encoded: EncodedTensors) -> Envelope | None:
         hop: Hop = header.route[0]
         channel = self._channel(session, hop)
         next_header = header.model_copy(update={"session_id": hop.session_id, "route": header.route[1:]})
-        forwarded = {"hidden": out, **{name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors}}
         try:
-            await channel.send(pack(Message(kind=MessageKind.STEP, step=next_header), forwarded, hop.codecs or None))
+            await channel.send(envelope_of(Message(kind=MessageKind.STEP, step=next_header), encoded.frames),
+                               header.step_id, encoded.wire_bytes)
         except Exception as error:
             return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
         return None
@@ -207,7 +262,7 @@ class BlockServicer(ServicerBase):
             session.inbox.put_nowait(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
                                              error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
 
-        session.push_channel = PushChannel(self.p2p, self.get_stub, hop.peer_id, hop.session_id, report)
+        session.push_channel = PushChannel(self.p2p, self.get_stub, hop.peer_id, hop.session_id, report, self._push_policy(hop))
         return session.push_channel
 
     @staticmethod

@@ -50,7 +50,7 @@ class Server:
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
         self.backend = self._load(*self._initial_range())
-        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info)
+        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth)
 
     def _initial_range(self) -> tuple[int, int]:
         if self.blocks.start is not None and self.blocks.end is not None:

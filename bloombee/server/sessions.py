@@ -58,6 +58,8 @@ class Session:
     token_mask: torch.Tensor  # [batch, max_length] bool: which written slots hold real tokens
     output_history: torch.Tensor  # [batch, max_length, hidden] on the host: what this server sent on
     reply_codecs: tuple[str, ...] = ()  # codec layouts the client accepts
+    client_peer: str = ""
+    client_bandwidth: float | None = None  # the client's link, bytes/s, as it told us
     push_channel: Any = None  # the PushChannel to the next server, opened on the first push
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_active: float = field(default_factory=time.monotonic)
