@@ -434,10 +434,11 @@ def plot(sets: dict, level: int, path: Path, title: str) -> None:
     ax1.barh(y + len(methods) * h, [sets[n]["lane_entropy_bound_pct"] for n in names], h, label="lane entropy bound (bytesplit)", color="#000000")
     ax1.set_yticks(y + 0.4 - h / 2, names, fontsize=8)
     ax1.invert_yaxis()
-    lo = min(min(sets[n]["lane_entropy_bound_pct"] for n in names), 60)
-    ax1.set_xlim(lo - 5, 101)
+    lo = min(min(sets[n]["lane_entropy_bound_pct"] for n in names),
+             min(sets[n]["methods"][mm]["size_pct"] for n in names for mm in methods))
+    ax1.set_xlim(lo - 5, 112)
     ax1.set_xlabel("compressed size, % of raw (smaller is better)")
-    ax1.legend(fontsize=8, loc="lower left")
+    ax1.legend(fontsize=8, loc="upper right")
     ax1.grid(axis="x", alpha=0.3)
     for meth, col in zip(methods, colors):
         xs = [sets[n]["methods"][meth]["encode_MBps"] for n in names if sets[n]["tensor_bytes"] >= 1 << 20]
