@@ -45,7 +45,13 @@ def load_tokenizer(model: str):
         return None
 
 
+def require_peers(args: argparse.Namespace) -> None:
+    if not args.initial_peers:
+        raise SystemExit("bloombee-client: pass --initial-peers of a running swarm (printed by bloombee-dht)")
+
+
 def generate(args: argparse.Namespace) -> None:
+    require_peers(args)
     tokenizer = load_tokenizer(args.model)
     if args.input_ids:
         input_ids = torch.tensor([[int(token) for token in args.input_ids.split(",")]])
@@ -77,6 +83,7 @@ def info(args: argparse.Namespace) -> None:
     from bloombee.dht.peers import start_dht
     from bloombee.loading import dht_prefix, load_model_config
 
+    require_peers(args)
     config = load_model_config(args.model)
     prefix = dht_prefix(args.model)
     dht = start_dht(args.initial_peers, client_mode=True)
@@ -90,6 +97,37 @@ def info(args: argparse.Namespace) -> None:
     dht.shutdown()
 
 
+def demo(args: argparse.Namespace) -> None:
+    """Start a bootstrap peer and servers on 127.0.0.1, generate through them, shut everything down."""
+    from bloombee.loading import dht_prefix, load_model_config
+    from bloombee.local_swarm import LocalSwarm
+
+    num_blocks = load_model_config(args.model).num_hidden_layers
+    bounds = [round(index * num_blocks / args.servers) for index in range(args.servers + 1)]
+    with LocalSwarm(args.model, num_blocks, dht_prefix(args.model)) as swarm:
+        print(f"Bootstrap peer: {swarm.initial_peers[0]}  (logs in {swarm.log_dir})", flush=True)
+        names = []
+        for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            names.append(f"server{index}")
+            swarm.add_server("--blocks", f"{start}:{end}", name=names[-1], wait=False)
+            print(f"Starting {names[-1]} with blocks {start}:{end} of {num_blocks}", flush=True)
+        swarm.wait_online(names)
+        print("All servers online. Generating:\n", flush=True)
+        args.initial_peers, args.input_ids = swarm.initial_peers, None
+        generate(args)
+        print("\nShutting the swarm down.", flush=True)
+
+
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print tokens as they arrive")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bloombee-client", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -98,13 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--input-ids", help="comma-separated token ids (for models without a tokenizer)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print tokens as they arrive")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    add_generation_flags(gen)
     add_peer_flags(gen)
     add_settings_flags(gen, ClientSettings)
     gen.set_defaults(run=generate)
@@ -112,14 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--model", required=True)
     add_peer_flags(show)
     show.set_defaults(run=info)
+    local = commands.add_parser("demo", help="start a local swarm on 127.0.0.1, generate through it, shut it down")
+    local.add_argument("--model", default="bloombee-tiny")
+    local.add_argument("--servers", type=int, default=2, help="server processes, each with a part of the blocks")
+    local.add_argument("--prompt", default="def fibonacci(n):")
+    add_generation_flags(local)
+    local.add_argument("-v", "--verbose", action="store_true")
+    add_settings_flags(local, ClientSettings)
+    local.set_defaults(run=demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose, quiet_level=logging.WARNING)
-    if not args.initial_peers:
-        raise SystemExit("bloombee-client: pass --initial-peers of a running swarm (printed by bloombee-dht)")
     if getattr(args, "dtype", "auto") != "auto":
         args.dtype = getattr(torch, args.dtype)
     args.run(args)
