@@ -22,6 +22,15 @@ def binds_only_loopback(host_maddrs: Sequence[str]) -> bool:
     return True
 
 
+def nat_traversal_enabled(host_maddrs: Sequence[str], requested: bool | None) -> bool:
+    """NAT port mapping, AutoNAT and relays: on by default, never when every address is loopback."""
+    if binds_only_loopback(host_maddrs):
+        if requested:
+            logger.info("NAT traversal requested but every address is loopback: keeping it off")
+        return False
+    return True if requested is None else requested
+
+
 def start_dht(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
@@ -30,28 +39,23 @@ def start_dht(
     nat_traversal: bool | None = None,
     client_mode: bool = False,
 ) -> hivemind.DHT:
-    """Start a DHT peer; NAT port mapping, AutoNAT and relays default to on, and are always off on loopback."""
-    loopback_only = binds_only_loopback(host_maddrs)
-    if nat_traversal is None:
-        nat_traversal = not loopback_only
-    elif nat_traversal and loopback_only:
-        logger.info("NAT traversal requested but every address is loopback: keeping it off")
-        nat_traversal = False
+    """Start a DHT peer (see nat_traversal_enabled for NAT traversal); no IPFS bootstrap, no public peers."""
+    nat = nat_traversal_enabled(host_maddrs, nat_traversal)
     dht = hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,
         identity_path=identity_path,
         client_mode=client_mode,
-        nat_port_map=nat_traversal,
-        auto_nat=nat_traversal,
-        use_relay=nat_traversal,
-        use_auto_relay=nat_traversal,
+        nat_port_map=nat,
+        auto_nat=nat,
+        use_relay=nat,
+        use_auto_relay=nat,
         use_ipfs=False,
         ensure_bootstrap_success=bool(initial_peers),
         start=True,
     )
-    logger.info("DHT peer %s started (NAT traversal %s)", dht.peer_id, "on" if nat_traversal else "off")
+    logger.info("DHT peer %s started (NAT traversal %s)", dht.peer_id, "on" if nat else "off")
     return dht
 
 

@@ -1,0 +1,114 @@
+"""The swarm's pure parts: routing, ban back-off, block choice, records, NAT rule, settings."""
+
+import hivemind
+import pytest
+from pydantic import ValidationError
+
+from bloombee.client.routing import MissingBlocksError, SequenceManager, best_chain, format_ranges
+from bloombee.dht.peers import binds_only_loopback, nat_traversal_enabled, start_dht
+from bloombee.dht.records import ServerRecord, ServerState, announce, block_key, fetch_records
+from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
+from bloombee.settings import ClientSettings, ServerSettings, load_settings
+
+
+def record(start: int, end: int, throughput: float = 100.0, state: ServerState = ServerState.ONLINE, name: str = "") -> ServerRecord:
+    return ServerRecord(state=state, start_block=start, end_block=end, throughput=throughput, link_bandwidth=12.5e6,
+                        cache_tokens_left=1000, dtype="float32", device="cpu", version="0.1.0", public_name=name)
+
+
+def cost(per_hop: float = 0.01):
+    return lambda rec, num_blocks: per_hop + num_blocks / rec.throughput
+
+
+def test_best_chain_prefers_fewer_hops_when_equally_fast():
+    servers = {"a": record(0, 4), "b": record(4, 8), "whole": record(0, 8), "c": record(2, 6)}
+    chain = best_chain(servers, 0, 8, cost())
+    assert [(span.peer_id, span.start, span.end) for span in chain] == [("whole", 0, 8)]
+
+
+def test_best_chain_routes_around_a_slow_server_and_uses_partial_spans():
+    servers = {"slow": record(0, 8, throughput=1.0), "a": record(0, 5), "b": record(3, 8)}
+    chain = best_chain(servers, 0, 8, cost())
+    assert [span.peer_id for span in chain] == ["a", "b"]
+    assert chain[0].start == 0 and chain[0].end == chain[1].start and chain[1].end == 8 and 3 <= chain[0].end <= 5
+
+
+def test_missing_blocks_error_names_them_and_suggests_a_server():
+    with pytest.raises(MissingBlocksError, match=r"blocks 3\.\.4, 7 of model 'm' .*--blocks 3:8"):
+        best_chain({"a": record(0, 3), "b": record(5, 7)}, 0, 8, cost(), "m")
+
+
+def test_format_ranges():
+    assert format_ranges([1, 2, 3, 7, 9, 10]) == "1..3, 7, 9..10"
+
+
+def test_ban_grows_and_filters_servers():
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings(ban_base_seconds=10, ban_max_seconds=25))
+    rec = record(0, 8)
+    assert manager.is_usable("x", rec)
+    manager.ban("x")
+    assert not manager.is_usable("x", rec)
+    manager.ban("x")
+    manager.ban("x")
+    assert manager._bans["x"][1] == 3
+    assert not manager.is_usable("x", record(0, 8, state=ServerState.JOINING))
+
+
+def test_allowed_and_blocked_servers():
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings(), allowed_servers=["good"], blocked_servers=["bad"])
+    assert manager.is_usable("peer1", record(0, 8, name="good"))
+    assert not manager.is_usable("peer2", record(0, 8, name="other"))
+    assert not manager.is_usable("bad", record(0, 8, name="good"))
+
+
+def test_block_choice_takes_the_weakest_window():
+    assert choose_start_block([5, 5, 5, 5, 0, 0, 0, 0], 4) == 4
+    assert choose_start_block([0, 0, 0, 0, 0, 0, 0, 0], 4) == 0
+    assert choose_start_block([9, 1, 9, 9, 9, 9], 2) in (0, 1)
+    records = [{"a": record(0, 2, 3.0), "b": record(0, 2, 5.0, ServerState.OFFLINE)}, {"a": record(0, 2, 3.0)}]
+    assert block_coverage(records) == [3.0, 3.0]
+    assert block_coverage(records, exclude_peer="a") == [0.0, 0.0]
+
+
+def test_rebalance_moves_only_when_it_helps_enough():
+    assert should_move([10, 10, 0, 0], 0, 2, 10, 1.25) == 2
+    assert should_move([10, 10, 10, 10], 0, 2, 10, 1.25) is None
+
+
+def test_record_validation():
+    with pytest.raises(ValidationError, match="end_block 2 must exceed start_block 4"):
+        record(4, 2)
+    with pytest.raises(ValidationError):
+        ServerRecord.model_validate({"state": "online"})
+
+
+def test_dht_records_round_trip_and_malformed_ones_are_ignored():
+    dht = start_dht()
+    other = start_dht(initial_peers=[str(maddr) for maddr in dht.get_visible_maddrs()])
+    try:
+        announce(dht, "model", record(0, 2, name="srv"), hivemind.utils.get_dht_time() + 30)
+        other.store(block_key("model", 1), {"state": "online", "garbage": True}, hivemind.utils.get_dht_time() + 30, subkey="evil")
+        per_block = fetch_records(other, "model", 3)
+        assert [sorted(records) for records in per_block] == [[dht.peer_id.to_base58()], [dht.peer_id.to_base58()], []]
+        assert per_block[0][dht.peer_id.to_base58()].public_name == "srv"
+    finally:
+        other.shutdown()
+        dht.shutdown()
+
+
+def test_nat_traversal_is_never_on_for_loopback():
+    assert binds_only_loopback(["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"])
+    assert not binds_only_loopback(["/ip4/0.0.0.0/tcp/0"])
+    assert nat_traversal_enabled(["/ip4/127.0.0.1/tcp/0"], True) is False
+    assert nat_traversal_enabled(["/ip4/0.0.0.0/tcp/0"], None) is True
+    assert nat_traversal_enabled(["/ip4/0.0.0.0/tcp/0"], False) is False
+
+
+def test_settings_from_env_then_flags(monkeypatch):
+    monkeypatch.setenv("BLOOMBEE_MAX_LENGTH", "128")
+    monkeypatch.setenv("BLOOMBEE_MAX_BATCH_SIZE", "3")
+    settings = load_settings(ServerSettings, {"max_batch_size": 7, "cache_tokens": None})
+    assert (settings.max_length, settings.max_batch_size, settings.cache_tokens) == (128, 7, ServerSettings().cache_tokens)
+    monkeypatch.setenv("BLOOMBEE_MAX_LENGTH", "-1")
+    with pytest.raises(ValidationError, match="max_length"):
+        load_settings(ServerSettings)
