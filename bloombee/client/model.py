@@ -42,6 +42,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Load the client's part of `model` (folder, hub id or alias) and join the swarm at `initial_peers`."""
         path = resolve_model(model)
         config = load_model_config(path)
+        config.name_or_path = str(path)  # so that AutoTokenizer.from_pretrained(model.name_or_path) finds the files
         head = load_client_head(path, dtype, device)
         if dht is None:
             dht = start_dht(initial_peers, client_mode=True)
