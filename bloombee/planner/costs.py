@@ -1,0 +1,332 @@
+"""The model of one decoding step (the paper's equations 1-4), vectorised over nodes and block counts.
+
+``StepModel(inputs, B, M)`` holds, for one candidate batch size B and micro-batch count M
+(micro-batch size b = ceil(B / M)), everything the evaluator, the dynamic program, the brute force
+and the baselines score with, so that all of them agree by construction:
+
+- per node j and block count l: the offload fraction alpha, the compute time T_comp, the GPU and
+  host memory used, and whether it fits (``stage_arrays``);
+- per ordered pair of machines (the client included): the time of one hop carrying one
+  micro-batch's activations, and whether the codec is used on it (``hop``).
+
+Memory (per node holding l blocks; bytes):
+
+    weights   W  = l * weight_bytes_per_block
+    workspace WS = reserved + b * workspace_bytes_per_token
+    KV        KV = l * B * s * kv_bytes_per_token_per_block      (the whole batch's cache, every M)
+    alpha = max(0, 1 - (G - W - WS) / KV)                          (smallest offload that fits)
+    infeasible if W + WS > G ("GPU memory") or alpha * KV > host  ("host memory")
+
+Compute (seconds):  T_comp = l * (t_mlp(b) + (1 - alpha) * t_attn_gpu(b) + alpha * t_attn_cpu(b)).
+
+A hop src -> dst carrying n = b * activation_bytes_per_token bytes:
+
+    raw:        latency + n / bandwidth
+    compressed: latency + n / (r * bandwidth) + n / C_src + n / D_dst
+    compressed iff (1 - 1/r) / bandwidth > 1/C_src + 1/D_dst (workload.compression = auto),
+    always where both ends have a codec (on), never (off); r and C from the sender, D from the receiver.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .inputs import CLIENT, GIB, BlockCost, PlanInputs
+
+STATUS_OK = 0
+STATUS_GPU = 1  # weights + workspace exceed GPU memory
+STATUS_HOST = 2  # the offloaded share of the KV cache exceeds host memory
+MS = 1e-3
+
+
+def micro_batch_size(batch_size: int, micro_batches: int) -> int:
+    """The size of the largest micro-batch: it sets every stage's time (uneven splits round up)."""
+    return -(-batch_size // micro_batches)
+
+
+def block_times(cost: BlockCost, b: float, seq_len: int) -> tuple[float, float, float]:
+    """(t_mlp, t_attn_gpu, t_attn_cpu) of one block at micro-batch size b, in seconds."""
+    if cost.table is not None:
+        table = cost.table
+        values = _interp3(b, table.micro_batch, (table.mlp_ms, table.attn_gpu_ms, table.attn_cpu_ms))
+    else:
+        coeff = cost.coefficients
+        values = [_poly(b, coeff.mlp_ms), _poly(b, coeff.attn_gpu_ms), _poly(b, coeff.attn_cpu_ms)]
+    t_mlp, t_gpu, t_cpu = (max(0.0, v) * MS for v in values)
+    if cost.reference_seq_len is not None:
+        scale = seq_len / cost.reference_seq_len
+        t_gpu *= scale
+        t_cpu *= scale
+    return t_mlp, t_gpu, t_cpu
+
+
+def _interp3(b: float, x: list[float], ys: tuple[list[float], ...]) -> list[float]:
+    """Piecewise-linear y(b) for several y over the same x: first value below x[0], the last
+    segment extended above x[-1]."""
+    if len(x) == 1 or b <= x[0]:
+        return [y[0] for y in ys]
+    i = bisect.bisect_right(x, b) - 1  # x[i] <= b
+    if i >= len(x) - 1:  # at or past the last point: extend the last segment
+        i = len(x) - 2
+    share = (b - x[i]) / (x[i + 1] - x[i])
+    return [y[i] + share * (y[i + 1] - y[i]) for y in ys]
+
+
+def _poly(b: float, coefficients: list[float]) -> float:
+    return float(sum(c * b**k for k, c in enumerate(coefficients)))
+
+
+@dataclass(frozen=True)
+class StageArrays:
+    """Arrays over (nodes, block counts) as given to ``StepModel.stage_arrays``."""
+
+    blocks: np.ndarray
+    alpha: np.ndarray
+    comp: np.ndarray  # seconds; +inf where the stage does not fit
+    gpu_used: np.ndarray  # bytes
+    host_used: np.ndarray  # bytes
+    status: np.ndarray  # STATUS_*
+
+
+class StepModel:
+    """The cost model of one decoding step for one candidate (B, M). See the module docstring."""
+
+    def __init__(self, inputs: PlanInputs, batch_size: int, micro_batches: int):
+        if batch_size < 1 or micro_batches < 1:
+            raise ValueError("batch_size and micro_batches must be >= 1")
+        self.inputs = inputs
+        self.batch_size = int(batch_size)
+        self.micro_batches = int(micro_batches)
+        self.b = micro_batch_size(self.batch_size, self.micro_batches)
+        workload, model = inputs.workload, inputs.model
+        dtype = workload.dtype
+        self.num_nodes = len(inputs.nodes)
+        self.num_blocks = model.num_blocks
+        self.seq_len = workload.seq_len
+        self.weight_bytes = model.weight_bytes(dtype)
+        self.kv_bytes_token = model.kv_bytes_per_token(dtype)
+        self.activation_bytes = model.activation_bytes(dtype)
+        self.workspace_bytes_token = model.workspace_bytes(dtype)
+
+        static = _static(inputs)
+        self.gpu_bytes = static.gpu_bytes
+        self.host_bytes = static.host_bytes
+        self.workspace = static.reserved_bytes + self.b * self.workspace_bytes_token
+        # what depends on b only is shared by every (B, M) with the same micro-batch size
+        per_b = static.per_b.get(self.b)
+        if per_b is None:
+            times = np.array([block_times(n.cost, self.b, self.seq_len) for n in inputs.nodes]).reshape(self.num_nodes, 3)
+            per_b = static.per_b[self.b] = (times[:, 0].copy(), times[:, 1].copy(), times[:, 2].copy(), self._hops(static))
+        self.t_mlp, self.t_attn_gpu, self.t_attn_cpu, hops = per_b
+        self.hop, self.hop_compressed, self.hop_wire_bytes = hops
+        self.hop_bandwidth_mbps = static.bandwidth
+        self.hop_latency_s = static.lat_s
+        self.hop_raw_bytes = self.b * self.activation_bytes
+        self.machine_names = static.names
+        # KV bytes of one block for the whole batch at the full context length
+        self.kv_block = self.batch_size * self.seq_len * self.kv_bytes_token
+        self._comp_table: tuple[np.ndarray, np.ndarray] | None = None
+
+    # ------------------------------------------------------------------------------- stages
+
+    def stage_arrays(self, blocks: np.ndarray) -> StageArrays:
+        """alpha, T_comp, memory and status for node j holding blocks[j, ...] blocks.
+
+        ``blocks`` has shape (N,) or (N, K); row j belongs to node j. Elementwise and deterministic:
+        the same (node, l) gives bit-identical results whatever the shape.
+        """
+        blocks = np.asarray(blocks)
+        scalar = blocks.ndim == 1
+        l = blocks.astype(np.float64).reshape(self.num_nodes, -1)
+        col = (slice(None), None)
+        weights = l * self.weight_bytes
+        kv = l * self.kv_block
+        free = self.gpu_bytes[col] - self.workspace[col] - weights
+        with np.errstate(divide="ignore", invalid="ignore"):
+            alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
+        host_used = alpha * kv
+        gpu_used = weights + self.workspace[col] + (1.0 - alpha) * kv
+        status = np.full(l.shape, STATUS_OK, dtype=np.int8)
+        status[host_used > self.host_bytes[col]] = STATUS_HOST
+        status[free < 0] = STATUS_GPU
+        status[l == 0] = STATUS_OK
+        per_block = self.t_mlp[col] + (1.0 - alpha) * self.t_attn_gpu[col] + alpha * self.t_attn_cpu[col]
+        comp = np.where(status == STATUS_OK, l * per_block, np.inf)
+        comp[l == 0] = 0.0
+        alpha = np.where(l == 0, 0.0, alpha)
+        out = StageArrays(blocks=l, alpha=alpha, comp=comp, gpu_used=gpu_used, host_used=host_used, status=status)
+        if scalar:
+            out = StageArrays(**{k: v[:, 0] for k, v in out.__dict__.items()})
+        return out
+
+    def table(self) -> StageArrays:
+        """``stage_arrays`` for every node and every block count 0..L: arrays of shape (N, L + 1)."""
+        counts = np.broadcast_to(np.arange(self.num_blocks + 1), (self.num_nodes, self.num_blocks + 1))
+        return self.stage_arrays(counts)
+
+    def capacity(self, table: StageArrays | None = None, offload: bool = True) -> np.ndarray:
+        """The most blocks each node can hold (feasibility is monotone in l); without offloading if asked."""
+        table = table if table is not None else self.table()
+        ok = table.status == STATUS_OK
+        if not offload:
+            ok &= table.alpha == 0
+        # ok is True for a prefix 0..cap of each row
+        return np.argmin(np.concatenate([ok, np.zeros((self.num_nodes, 1), bool)], axis=1), axis=1) - 1
+
+    def explain_capacity(self, node: int, blocks: int) -> str:
+        """Why `node` cannot hold `blocks` blocks (or '' if it can)."""
+        arrays = self.stage_arrays(np.array([blocks if j == node else 0 for j in range(self.num_nodes)]))
+        status = int(arrays.status[node])
+        spec = self.inputs.nodes[node]
+        if status == STATUS_GPU:
+            return (
+                f"GPU memory: {blocks} block{'' if blocks == 1 else 's'} of weights ({blocks * self.weight_bytes / GIB:.2f} GiB) + workspace "
+                f"({self.workspace[node] / GIB:.2f} GiB) exceed {spec.gpu_memory_gib:g} GiB"
+            )
+        if status == STATUS_HOST:
+            kv = blocks * self.kv_block
+            return (
+                f"host memory: the KV cache that does not fit the GPU (alpha={arrays.alpha[node]:.2f} of "
+                f"{kv / GIB:.2f} GiB = {arrays.host_used[node] / GIB:.2f} GiB) exceeds {spec.host_memory_gib:g} GiB"
+            )
+        return ""
+
+    # --------------------------------------------------------------------------------- hops
+
+    def _hops(self, static: "_Static") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(hop time, codec used, bytes on the wire) for every ordered pair of machines."""
+        size = static.bandwidth.shape[0]
+        n_bytes = self.b * self.activation_bytes
+        rate, lat_s, r = static.rate, static.lat_s, static.ratio
+        raw = lat_s + n_bytes / rate
+        with np.errstate(invalid="ignore"):  # nan where an end has no codec; not used there
+            compressed_time = lat_s + n_bytes / (r * rate) + n_bytes / static.compress_speed + n_bytes / static.decompress_speed
+        mode = self.inputs.workload.compression
+        if mode == "off":
+            use = np.zeros((size, size), dtype=bool)
+        elif mode == "on":
+            use = static.both
+        else:
+            use = static.both & static.pays
+        hop = np.where(use, compressed_time, raw)
+        np.fill_diagonal(hop, np.inf)
+        wire = n_bytes / np.where(use, r, 1.0)
+        for array in (hop, use, wire):
+            array.setflags(write=False)
+        return hop, use, wire
+
+    def comp_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(comp, caps) for the DP: comp[j, l] = T_comp of node j holding l = 0..L blocks (inf where
+        it does not fit), computed exactly as ``stage_arrays`` does; caps[j] = the most blocks j holds."""
+        if self._comp_table is None:
+            l = np.arange(self.num_blocks + 1, dtype=np.float64)[None, :]
+            col = (slice(None), None)
+            weights = l * self.weight_bytes
+            kv = l * self.kv_block
+            free = self.gpu_bytes[col] - self.workspace[col] - weights
+            with np.errstate(divide="ignore", invalid="ignore"):
+                alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
+            fits = (free >= 0) & ~(alpha * kv > self.host_bytes[col])
+            fits[:, 0] = True
+            per_block = self.t_mlp[col] + (1.0 - alpha) * self.t_attn_gpu[col] + alpha * self.t_attn_cpu[col]
+            comp = np.where(fits, l * per_block, np.inf)
+            comp[:, 0] = 0.0
+            caps = np.argmin(np.concatenate([fits, np.zeros((self.num_nodes, 1), bool)], axis=1), axis=1) - 1
+            self._comp_table = (comp, caps)
+        return self._comp_table
+
+    @property
+    def client(self) -> int:
+        """Index of the client in the hop matrices."""
+        return self.num_nodes
+
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What does not depend on (B, M): node memory and the links between every pair of machines."""
+
+    names: list[str]
+    gpu_bytes: np.ndarray
+    host_bytes: np.ndarray
+    reserved_bytes: np.ndarray
+    bandwidth: np.ndarray  # Mbps, [src, dst], client last
+    latency: np.ndarray  # ms
+    rate: np.ndarray  # bytes/s
+    lat_s: np.ndarray
+    ratio: np.ndarray  # [src, 1]
+    compress_speed: np.ndarray  # [src, 1], bytes/s
+    decompress_speed: np.ndarray  # [1, dst], bytes/s
+    both: np.ndarray  # both ends have a codec
+    pays: np.ndarray  # the break-even rule: (1 - 1/r) / bandwidth > 1/C + 1/D
+    per_b: dict = field(default_factory=dict)  # micro-batch size -> (t_mlp, t_attn_gpu, t_attn_cpu, hops)
+
+
+# id(inputs) -> (weak reference, arrays); PlanInputs is frozen, so its derived arrays stay valid
+_STATIC_CACHE: dict[int, tuple[weakref.ref, _Static]] = {}
+
+
+def _static(inputs: PlanInputs) -> _Static:
+    key = id(inputs)
+    cached = _STATIC_CACHE.get(key)
+    if cached is not None and cached[0]() is inputs:
+        return cached[1]
+    machines = [*inputs.nodes, inputs.client]
+    names = [*inputs.node_names, CLIENT]
+    index = {name: i for i, name in enumerate(names)}
+    size = len(machines)
+    up = np.array([m.link.uplink_mbps for m in machines])
+    down = np.array([m.link.downlink_mbps for m in machines])
+    lat = np.array([m.link.latency_ms for m in machines])
+    bandwidth = np.minimum(up[:, None], down[None, :])
+    latency = lat[:, None] + lat[None, :]
+    if inputs.link_matrix is not None:  # the matrix first, then the list: the list wins
+        matrix = inputs.link_matrix
+        for a, src in enumerate(matrix.names):
+            for c, dst in enumerate(matrix.names):
+                if a == c:
+                    continue
+                i, j = index[src], index[dst]
+                if matrix.bandwidth_mbps is not None and matrix.bandwidth_mbps[a][c] is not None:
+                    bandwidth[i, j] = matrix.bandwidth_mbps[a][c]
+                if matrix.latency_ms is not None and matrix.latency_ms[a][c] is not None:
+                    latency[i, j] = matrix.latency_ms[a][c]
+    for link in inputs.link_overrides:
+        i, j = index[link.src], index[link.dst]
+        if link.bandwidth_mbps is not None:
+            bandwidth[i, j] = link.bandwidth_mbps
+        if link.latency_ms is not None:
+            latency[i, j] = link.latency_ms
+    rate = bandwidth * 1e6 / 8.0
+    codecs = [m.compression for m in machines]
+    has = np.array([c is not None for c in codecs])
+    ratio = np.array([c.ratio if c is not None else np.nan for c in codecs])[:, None]
+    c_speed = np.array([c.compress_mb_per_s * 1e6 if c is not None else np.nan for c in codecs])[:, None]
+    d_speed = np.array([c.decompress_mb_per_s * 1e6 if c is not None else np.nan for c in codecs])[None, :]
+    both = has[:, None] & has[None, :] & ~np.eye(size, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        pays = (1.0 - 1.0 / ratio) / rate > 1.0 / c_speed + 1.0 / d_speed
+    nodes = inputs.nodes
+    static = _Static(
+        names=names,
+        gpu_bytes=np.array([n.gpu_memory_gib * GIB for n in nodes]),
+        host_bytes=np.array([n.host_memory_gib * GIB for n in nodes]),
+        reserved_bytes=np.array([n.reserved_gib * GIB for n in nodes]),
+        bandwidth=bandwidth,
+        latency=latency,
+        rate=rate,
+        lat_s=latency * MS,
+        ratio=ratio,
+        compress_speed=c_speed,
+        decompress_speed=d_speed,
+        both=both,
+        pays=pays,
+    )
+    for array in (static.gpu_bytes, static.host_bytes, static.reserved_bytes, bandwidth, latency, rate, static.lat_s):
+        array.setflags(write=False)
+    _STATIC_CACHE[key] = (weakref.ref(inputs, lambda _, key=key: _STATIC_CACHE.pop(key, None)), static)
+    return static

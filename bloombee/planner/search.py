@@ -1,0 +1,154 @@
+"""``plan``: the best feasible plan over the candidate (B, M), each solved exactly by ``dp.solve``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .costs import StepModel, micro_batch_size
+from .dp import solve
+from .evaluate import Evaluation, evaluate
+from .inputs import GIB, PlanInputs
+
+
+class PlanInfeasibleError(ValueError):
+    """No candidate (B, M) has a feasible assignment; the message says which constraint binds."""
+
+
+@dataclass
+class Candidate:
+    batch_size: int
+    micro_batches: int
+    throughput: float | None
+    assignment: list[int] | None
+    reason: str = ""
+
+
+@dataclass
+class Plan:
+    """The best plan over all candidate (B, M)."""
+
+    assignment: list[int]
+    batch_size: int
+    micro_batches: int
+    alphas: list[float]
+    throughput: float
+    evaluation: Evaluation
+    candidates: list[Candidate] = field(default_factory=list)
+    solve_seconds: float = 0.0
+
+    @property
+    def micro_batch_size(self) -> int:
+        return micro_batch_size(self.batch_size, self.micro_batches)
+
+    def to_dict(self) -> dict:
+        return {
+            "assignment": self.assignment,
+            "batch_size": self.batch_size,
+            "micro_batches": self.micro_batches,
+            "micro_batch_size": self.micro_batch_size,
+            "alphas": self.alphas,
+            "throughput_tokens_per_s": self.throughput,
+            "solve_seconds": self.solve_seconds,
+            "evaluation": self.evaluation.to_dict(),
+            "candidates": [
+                {
+                    "batch_size": c.batch_size,
+                    "micro_batches": c.micro_batches,
+                    "throughput_tokens_per_s": c.throughput,
+                    "assignment": c.assignment,
+                    "reason": c.reason,
+                }
+                for c in self.candidates
+            ],
+        }
+
+
+def plan(inputs: PlanInputs) -> Plan:
+    """The best feasible plan over the workload's candidate batch sizes and micro-batch counts.
+
+    Highest throughput wins; ties go to fewer active stages, then fewer micro-batches, then the
+    smaller batch. With micro-batching the winner's assignment is then refined (``solve(...,
+    refine=True)``) to an equally fast one whose stage and hop times add up least. Raises PlanInfeasibleError (saying which constraint binds) if
+    nothing fits.
+    """
+    started = time.perf_counter()
+    candidates: list[Candidate] = []
+    best: tuple | None = None
+    for batch_size in inputs.workload.batch_sizes:
+        for micro_batches in inputs.workload.micro_batches:
+            if micro_batches > batch_size:
+                candidates.append(
+                    Candidate(batch_size, micro_batches, None, None, f"micro_batches {micro_batches} > batch_size {batch_size}")
+                )
+                continue
+            model = StepModel(inputs, batch_size, micro_batches)
+            solution = solve(inputs, batch_size, micro_batches, step_model=model)
+            if solution is None:
+                candidates.append(Candidate(batch_size, micro_batches, None, None, capacity_report(model)))
+                continue
+            candidates.append(Candidate(batch_size, micro_batches, solution.throughput, solution.assignment))
+            key = (-solution.throughput, solution.num_active, micro_batches, batch_size)
+            if best is None or key < best[0]:
+                best = (key, solution, model)
+    if best is None:
+        raise PlanInfeasibleError(infeasible_message(inputs))
+    _, solution, model = best
+    if solution.micro_batches > 1:
+        # among the assignments with this optimal throughput, the one with the shortest micro-batch trip
+        solution = solve(inputs, solution.batch_size, solution.micro_batches, step_model=model, refine=True)
+    elapsed = time.perf_counter() - started
+    evaluation = evaluate(inputs, solution.assignment, solution.batch_size, solution.micro_batches, step_model=model)
+    return Plan(
+        assignment=solution.assignment,
+        batch_size=solution.batch_size,
+        micro_batches=solution.micro_batches,
+        alphas=evaluation.alphas,
+        throughput=evaluation.throughput,
+        evaluation=evaluation,
+        candidates=candidates,
+        solve_seconds=elapsed,
+    )
+
+
+def capacity_report(model: StepModel) -> str:
+    """Why no assignment fits at this (B, M): how many blocks each node can hold and what binds."""
+    caps = model.capacity()
+    total = int(caps.sum())
+    parts = []
+    for j, spec in enumerate(model.inputs.nodes):
+        cap = int(caps[j])
+        if cap >= model.num_blocks:
+            parts.append(f"{spec.name}: all {model.num_blocks}")
+        else:
+            parts.append(f"{spec.name}: {cap} ({model.explain_capacity(j, cap + 1)})")
+    return (
+        f"at batch size {model.batch_size} (micro-batch {model.b}, context {model.seq_len}) the nodes hold at most "
+        f"{total} of the {model.num_blocks} blocks; per node: " + "; ".join(parts)
+    )
+
+
+def infeasible_message(inputs: PlanInputs) -> str:
+    """The message for a model that fits nowhere, at the most favourable candidate (smallest B, largest M <= B)."""
+    batch = min(inputs.workload.batch_sizes)
+    micro = max([m for m in inputs.workload.micro_batches if m <= batch], default=None)
+    if micro is None:
+        return (
+            f"no feasible plan: every candidate micro-batch count {inputs.workload.micro_batches} exceeds every "
+            f"batch size {inputs.workload.batch_sizes}"
+        )
+    model = StepModel(inputs, batch, micro)
+    weight_gib = model.weight_bytes / GIB
+    lines = [f"no feasible plan for any candidate batch size / micro-batch count: {capacity_report(model)}."]
+    if all(model.explain_capacity(j, 1).startswith("GPU memory") for j in range(model.num_nodes)):
+        lines.append(
+            f"The binding constraint is GPU memory: one block's weights ({weight_gib:.2f} GiB) plus workspace do not "
+            "fit any node."
+        )
+    else:
+        binding = {model.explain_capacity(j, int(c) + 1).split(":")[0] for j, c in enumerate(model.capacity()) if c < model.num_blocks}
+        lines.append(
+            "Binding: " + " and ".join(sorted(binding)) + " (KV cache that does not fit the GPU is offloaded to host "
+            "memory; weights and workspace must fit the GPU). Add nodes or memory, or shorten seq_len / the batch."
+        )
+    return " ".join(lines)

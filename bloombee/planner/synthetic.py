@@ -1,0 +1,198 @@
+"""Seeded generators of planning problems, for the tests and the benchmarks.
+
+- ``random_inputs``: adversarial, heterogeneous small problems: tight GPU memory (offloading and
+  skipping matter), host memory that sometimes binds, CPU attention sometimes faster than GPU
+  attention, table and polynomial cost models, asymmetric links, pairwise overrides (list and
+  matrix), codecs on some machines and every compression mode.
+- ``swarm_inputs``: a realistic swarm of consumer and datacenter GPUs on internet links, with cost
+  tables from ``hardware.derive_cost_table``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .hardware import GPUS, derive_cost_table
+from .inputs import GIB, ModelSpec, PlanInputs
+
+
+def _rng(seed) -> np.random.Generator:
+    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+def random_inputs(seed, num_nodes: int, num_blocks: int) -> PlanInputs:
+    rng = _rng(seed)
+    weight = int(rng.uniform(0.2, 1.5) * GIB)
+    kv_token = int(rng.integers(1, 64) * 1024)
+    hidden = int(rng.choice([256, 1024, 4096, 8192]))
+    model = {
+        "name": "random",
+        "num_blocks": num_blocks,
+        "hidden_size": hidden,
+        "weight_bytes_per_block": weight,
+        "kv_bytes_per_token_per_block": kv_token,
+        "workspace_bytes_per_token": int(rng.integers(0, 64) * 1024),
+    }
+    batch_sizes = sorted(set(int(b) for b in rng.choice([1, 2, 4, 8, 16, 32], size=int(rng.integers(1, 4)))))
+    micro = sorted({1, *(int(m) for m in rng.choice([1, 2, 3, 4, 8], size=int(rng.integers(1, 3))))})
+    seq_len = int(rng.choice([64, 256, 1024, 4096]))
+    workload = {
+        "batch_sizes": batch_sizes,
+        "micro_batches": micro,
+        "seq_len": seq_len,
+        "dtype": str(rng.choice(["float16", "bfloat16", "float32"])),
+        "compression": str(rng.choice(["auto", "auto", "on", "off"])),
+    }
+    kv_block_gib = max(batch_sizes) * seq_len * kv_token / GIB
+
+    def link():
+        return {
+            "uplink_mbps": float(10 ** rng.uniform(1, 4)),
+            "downlink_mbps": float(10 ** rng.uniform(1, 4)),
+            "latency_ms": float(rng.uniform(0, 40)),
+        }
+
+    def codec():
+        if rng.random() < 0.4:
+            return None
+        return {
+            "ratio": float(rng.uniform(1.05, 2.0)),
+            "compress_mb_per_s": float(10 ** rng.uniform(1.5, 3.5)),
+            "decompress_mb_per_s": float(10 ** rng.uniform(2, 3.7)),
+        }
+
+    def cost():
+        mlp = rng.uniform(0.1, 3.0)
+        gpu = rng.uniform(0.01, 1.0)
+        cpu = gpu * rng.uniform(0.5, 20.0)  # sometimes faster than the GPU
+        if rng.random() < 0.5:
+            sizes = sorted({int(x) for x in rng.choice([1, 2, 4, 8, 16, 32, 64], size=int(rng.integers(1, 4)))})
+            grow = rng.uniform(0.0, 0.2)
+            return {
+                "table": {
+                    "micro_batch": sizes,
+                    "mlp_ms": [float(mlp * (1 + grow * s)) for s in sizes],
+                    "attn_gpu_ms": [float(gpu * s) for s in sizes],
+                    "attn_cpu_ms": [float(cpu * s) for s in sizes],
+                },
+                "reference_seq_len": int(rng.choice([64, 256, 1024])) if rng.random() < 0.5 else None,
+            }
+        return {
+            "coefficients": {
+                "mlp_ms": [float(mlp), float(rng.uniform(0, 0.05))],
+                "attn_gpu_ms": [0.0, float(gpu)],
+                "attn_cpu_ms": [float(rng.uniform(0, 0.5)), float(cpu)],
+            }
+        }
+
+    nodes = []
+    for i in range(num_nodes):
+        reserved = float(rng.uniform(0, 0.5))
+        blocks_on_gpu = rng.uniform(0, num_blocks + 1) if rng.random() < 0.9 else rng.uniform(0, 0.9)
+        gpu_gib = reserved + 0.1 + blocks_on_gpu * (weight / GIB) + rng.uniform(0, 1.2) * kv_block_gib * blocks_on_gpu
+        nodes.append(
+            {
+                "name": f"n{i}",
+                "gpu_memory_gib": float(max(gpu_gib, 0.01)),
+                "host_memory_gib": float(rng.choice([0.0, rng.uniform(0, 2) * kv_block_gib * num_blocks, 1e4])),
+                "reserved_gib": reserved,
+                "cost": cost(),
+                "link": link(),
+                "compression": codec(),
+            }
+        )
+    names = [n["name"] for n in nodes] + ["client"]
+    overrides = []
+    for _ in range(int(rng.integers(0, 2 * len(names)))):
+        src, dst = rng.choice(names, size=2, replace=False)
+        overrides.append(
+            {
+                "src": str(src),
+                "dst": str(dst),
+                "bandwidth_mbps": float(10 ** rng.uniform(1, 4)) if rng.random() < 0.8 else None,
+                "latency_ms": float(rng.uniform(0, 60)) if rng.random() < 0.5 else None,
+            }
+        )
+    matrix = None
+    if rng.random() < 0.4:
+        size = len(names)
+        matrix = {
+            "names": names,
+            "bandwidth_mbps": [
+                [None if (i == j or rng.random() < 0.3) else float(10 ** rng.uniform(1, 4)) for j in range(size)]
+                for i in range(size)
+            ],
+            "latency_ms": [
+                [None if (i == j or rng.random() < 0.5) else float(rng.uniform(0, 60)) for j in range(size)]
+                for i in range(size)
+            ],
+        }
+    return PlanInputs.model_validate(
+        {
+            "model": model,
+            "workload": workload,
+            "client": {"link": link(), "compression": codec()},
+            "nodes": nodes,
+            "link_overrides": overrides,
+            "link_matrix": matrix,
+        }
+    )
+
+
+def swarm_inputs(
+    seed,
+    num_nodes: int,
+    num_blocks: int,
+    batch_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+    seq_len: int = 512,
+) -> PlanInputs:
+    """A swarm of `num_nodes` internet-connected GPU machines serving a LLaMA-style model of `num_blocks`
+    blocks (hidden 8192, GQA with 8 KV heads, ~0.86 B parameters per block, like LLaMA-2-70B's)."""
+    rng = _rng(seed)
+    model = ModelSpec(
+        name=f"synthetic-{num_blocks}",
+        num_blocks=num_blocks,
+        hidden_size=8192,
+        params_per_block=855_654_400,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+    )
+    kinds = list(GPUS)
+    weights = np.array([3, 4, 3, 1, 1, 1, 1], dtype=float)[: len(kinds)]
+    nodes = []
+    for i in range(num_nodes):
+        gpu = GPUS[kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))]]
+        home = rng.random() < 0.7
+        nodes.append(
+            {
+                "name": f"{gpu.name.lower().replace(' ', '-')}-{i}",
+                "gpu": gpu.name,
+                "gpu_memory_gib": gpu.memory_gib,
+                "host_memory_gib": float(gpu.host_memory_gib * rng.uniform(0.3, 0.8)),
+                "reserved_gib": 1.5,
+                "cost": derive_cost_table(gpu, model, reference_seq_len=128, num_attention_heads=64),
+                "link": {
+                    "uplink_mbps": float(rng.uniform(20, 500) if home else rng.uniform(500, 10000)),
+                    "downlink_mbps": float(rng.uniform(100, 1000) if home else rng.uniform(500, 10000)),
+                    "latency_ms": float(rng.uniform(5, 40) if home else rng.uniform(1, 10)),
+                },
+                "compression": {"ratio": 1.33, "compress_mb_per_s": 267, "decompress_mb_per_s": 1000},
+            }
+        )
+    return PlanInputs.model_validate(
+        {
+            "model": model.model_dump(exclude_none=True),
+            "workload": {
+                "batch_sizes": list(batch_sizes),
+                "micro_batches": list(micro_batches),
+                "seq_len": seq_len,
+            },
+            "client": {
+                "link": {"uplink_mbps": 200.0, "downlink_mbps": 1000.0, "latency_ms": 10.0},
+                "compression": {"ratio": 1.33, "compress_mb_per_s": 267, "decompress_mb_per_s": 1000},
+            },
+            "nodes": nodes,
+        }
+    )

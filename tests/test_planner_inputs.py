@@ -1,0 +1,150 @@
+"""Planner input validation (errors name the field) and model shapes derived from a config."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bloombee.planner import PlanInputError, PlanInputs
+from bloombee.planner.model_config import llama_style_block_params, meta_block_params, model_section_from_config
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plans" / "e6.yaml"
+
+
+@pytest.fixture
+def raw():
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def _error(tmp_path, data, suffix=".yaml") -> str:
+    path = tmp_path / f"input{suffix}"
+    path.write_text(yaml.safe_dump(data) if suffix != ".json" else __import__("json").dumps(data))
+    with pytest.raises(PlanInputError) as err:
+        PlanInputs.from_file(path)
+    return str(err.value)
+
+
+def test_example_file_loads(raw):
+    inputs = PlanInputs.from_file(EXAMPLE)
+    assert inputs.node_names == ["a100-california", "rtx4090-new-jersey", "rtx4090-canada"]
+    assert PlanInputs.from_dict(raw) == inputs
+
+
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        (lambda d: d["nodes"][1].__setitem__("gpu_memory_gib", -1), "nodes[1].gpu_memory_gib"),
+        (lambda d: d["nodes"][0]["link"].__setitem__("uplink_mbs", 5), "nodes[0].link.uplink_mbs"),
+        (lambda d: d["nodes"][2]["link"].pop("downlink_mbps"), "nodes[2].link.downlink_mbps"),
+        (lambda d: d["nodes"][0]["cost"]["table"]["mlp_ms"].pop(), "nodes[0].cost.table.mlp_ms"),
+        (lambda d: d["nodes"][0]["cost"].__setitem__("coefficients", {"mlp_ms": [1], "attn_gpu_ms": [1], "attn_cpu_ms": [1]}), "nodes[0].cost"),
+        (lambda d: d["workload"].__setitem__("batch_sizes", [0, 8]), "workload.batch_sizes"),
+        (lambda d: d["workload"].__setitem__("dtype", "int3"), "workload.dtype"),
+        (lambda d: d["model"].pop("params_per_block"), "model.params_per_block"),
+        (lambda d: d["model"].pop("head_dim"), "model.kv_bytes_per_token_per_block"),
+        (lambda d: d["nodes"][1].__setitem__("name", "a100-california"), "nodes[1].name"),
+        (lambda d: d["nodes"][0].__setitem__("name", "client"), "nodes[0].name"),
+        (lambda d: d.__setitem__("link_overrides", [{"src": "mars", "dst": "client", "bandwidth_mbps": 1}]), "link_overrides[0].src"),
+        (lambda d: d["link_matrix"]["bandwidth_mbps"][0].pop(), "link_matrix.bandwidth_mbps"),
+        (lambda d: d["link_matrix"]["names"].__setitem__(0, "venus"), "link_matrix.names[0]"),
+        (lambda d: d["nodes"][0]["compression"].__setitem__("ratio", 0), "nodes[0].compression.ratio"),
+        (lambda d: d.pop("client"), "client"),
+    ],
+)
+def test_errors_name_the_field(tmp_path, raw, edit, field):
+    data = copy.deepcopy(raw)
+    edit(data)
+    message = _error(tmp_path, data)
+    assert field in message, message
+
+
+def test_json_input_and_unreadable_files(tmp_path, raw):
+    data = copy.deepcopy(raw)
+    data["nodes"][0]["host_memory_gib"] = "lots"
+    assert "nodes[0].host_memory_gib" in _error(tmp_path, data, suffix=".json")
+    with pytest.raises(PlanInputError, match="cannot read"):
+        PlanInputs.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: [\n")
+    with pytest.raises(PlanInputError, match="cannot parse"):
+        PlanInputs.from_file(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(PlanInputError, match="mapping"):
+        PlanInputs.from_file(listing)
+
+
+def test_overrides_merge_into_the_file(raw):
+    inputs = PlanInputs.from_file(EXAMPLE, overrides={"workload": {"seq_len": 1024, "batch_sizes": [4]}})
+    assert inputs.workload.seq_len == 1024 and inputs.workload.batch_sizes == [4]
+    assert inputs.workload.micro_batches == raw["workload"]["micro_batches"]
+
+
+def test_model_bytes_follow_the_dtype():
+    spec = PlanInputs.from_file(EXAMPLE).model
+    assert spec.weight_bytes("float16") == 2 * spec.params_per_block
+    assert spec.weight_bytes("float32") == 4 * spec.params_per_block
+    assert spec.kv_bytes_per_token("bfloat16") == 2 * 52 * 128 * 2
+    assert spec.activation_bytes("float16") == 6656 * 2
+
+
+# ------------------------------------------------------------------------------- model configs
+
+
+def _layer_params(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers]
+    return sum(p.numel() for p in layers[0][0].parameters())
+
+
+def _configs():
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
+    return {
+        "llama-gqa": LlamaConfig(**small, num_key_value_heads=2),
+        "llama-bias": LlamaConfig(**small, num_key_value_heads=4, attention_bias=True, mlp_bias=True, head_dim=16),
+        "mixtral": MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2": Qwen2Config(**small, num_key_value_heads=2),
+        "qwen3": Qwen3Config(**small, num_key_value_heads=2, head_dim=8),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-bias", "mixtral", "qwen2", "qwen3"])
+def test_block_params_from_config_match_the_real_layer(name):
+    config = _configs()[name]
+    assert llama_style_block_params(config) == _layer_params(config)
+
+
+def test_other_families_are_counted_on_the_meta_device():
+    from transformers import FalconConfig, GPT2Config
+
+    gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+    assert meta_block_params(gpt2) == sum(
+        p.numel() for p in __import__("transformers").GPT2LMHeadModel(gpt2).transformer.h[0].parameters()
+    )
+    falcon = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, new_decoder_architecture=True, num_kv_heads=2)
+    section = model_section_from_config(falcon, name="falcon")
+    assert section["params_per_block"] == _layer_params(falcon)
+    assert section["num_key_value_heads"] == 2 and section["num_blocks"] == 2
+
+
+def test_model_section_from_config():
+    config = _configs()["llama-gqa"]
+    section = model_section_from_config(config, name="tiny")
+    assert section == {
+        "name": "tiny",
+        "num_blocks": 2,
+        "hidden_size": 64,
+        "params_per_block": _layer_params(config),
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 96,
+    }
