@@ -1,6 +1,8 @@
 """Server behaviour in a live swarm: block choice, session timeouts, identities, the client CLI."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -8,6 +10,7 @@ import time
 import pytest
 import torch
 
+from bloombee.client import AutoDistributedModel, MissingBlocksError
 from swarm_support import client, reference, save_tiny_llama, start_swarm
 
 CACHE_TOKENS = 4096
@@ -20,7 +23,7 @@ def swarm(tmp_path_factory):
     try:
         swarm.add_server("--blocks", "0:4", "--dtype", "float32", "--session-timeout", "3",
                          "--cache-tokens", str(CACHE_TOKENS), name="first")
-        swarm.add_server("--num-blocks", "4", "--dtype", "float32", name="second")
+        swarm.add_server("--num-blocks", "4", "--dtype", "float32", "--rebalance-period", "2", "--announce-period", "1", name="second")
         yield swarm
     finally:
         swarm.stop()
@@ -83,3 +86,43 @@ def test_identity_file_keeps_peer_id(tmp_path):
             process.terminate()
             process.wait(timeout=30)
     assert len(ids) == 2 and ids[0] == ids[1]
+
+
+def test_server_moves_to_blocks_the_swarm_lost(swarm):
+    swarm.add_server("--blocks", "4:8", "--dtype", "float32", name="third")
+    swarm.kill("first", signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        online = swarm.online_names()
+        if online.get("second") == (0, 4):
+            assert online.get("third") == (4, 8)
+            return
+        time.sleep(1)
+    raise AssertionError(f"second did not move to the lost blocks 0:4; swarm shows {swarm.online_names()}")
+
+
+def test_new_swarm_server_prints_initial_peers_and_serves(tmp_path):
+    folder = save_tiny_llama(tmp_path / "new-swarm-llama", num_layers=2)
+    process = subprocess.Popen([sys.executable, "-m", "bloombee.cli.server", "--model", str(folder), "--new-swarm",
+                                "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "BLOOMBEE_CACHE": str(tmp_path / "cache")})
+    try:
+        peers = []
+        for line in process.stdout:
+            peers = re.findall(r"/ip4/\S+/p2p/\w+", line)
+            if peers:
+                break
+        model = AutoDistributedModel.from_pretrained(str(folder), initial_peers=peers, dtype=torch.float32)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+                break
+            except MissingBlocksError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        assert torch.equal(out, reference(folder).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False))
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

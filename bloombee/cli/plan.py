@@ -19,9 +19,10 @@ import json
 import sys
 from typing import Any, Sequence
 
-from bloombee.planner import PlanInfeasibleError, PlanInputError, PlanInputs, baselines, plan
+from bloombee.planner import PlanInfeasibleError, PlanInputError, PlanInputs, baselines, evaluate, plan
 from bloombee.planner.inputs import read_input_file
 from bloombee.planner.model_config import ModelConfigError, load_model_section
+from bloombee.planner.placement import current_assignment, swarm_nodes
 from bloombee.planner.report import json_report, text_report
 from bloombee.planner.schedule import plot_schedule, simulate
 
@@ -31,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bloombee-plan",
         description="Plan block ranges, KV offload, batch size and micro-batches for a BloomBee pipeline.",
     )
-    parser.add_argument("--nodes", "--input", dest="input", required=True, help="YAML/JSON planner input file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--nodes", "--input", dest="input", help="YAML/JSON planner input file")
+    source.add_argument("--initial-peers", nargs="+", help="plan for the live swarm: servers started with --profile")
+    parser.add_argument("--client-uplink-mbps", type=float, default=100.0, help="with --initial-peers: the client's link")
+    parser.add_argument("--client-downlink-mbps", type=float, default=100.0)
+    parser.add_argument("--client-latency-ms", type=float, default=10.0)
     parser.add_argument("--model", help="model alias, hub id or local folder; replaces the file's model section")
     parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="candidate batch sizes")
     parser.add_argument("--micro-batches", type=int, nargs="+", metavar="M", help="candidate micro-batch counts")
@@ -43,9 +49,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_inputs(args: argparse.Namespace) -> PlanInputs:
-    raw = read_input_file(args.input)
-    if args.model:
+def swarm_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
+    """A planner input from the live swarm's DHT records, and the servers' current ranges."""
+    if not args.model:
+        raise PlanInputError("--initial-peers needs --model (the model whose servers to plan for)")
+    from bloombee.dht.peers import start_dht
+    from bloombee.dht.records import fetch_records
+    from bloombee.loading import dht_prefix
+
+    model = load_model_section(args.model)
+    dht = start_dht(args.initial_peers, client_mode=True)
+    try:
+        servers = {}
+        for records in fetch_records(dht, dht_prefix(args.model), model["num_blocks"]):
+            servers.update(records)
+    finally:
+        dht.shutdown()
+    nodes, ranges = swarm_nodes(servers)
+    if not nodes:
+        raise PlanInputError(f"no online server of {args.model} announces a profile ({len(servers)} servers found); "
+                             "start servers with `bloombee-server --profile`")
+    link = {"uplink_mbps": args.client_uplink_mbps, "downlink_mbps": args.client_downlink_mbps, "latency_ms": args.client_latency_ms}
+    return {"model": model, "client": {"link": link}, "nodes": nodes}, ranges
+
+
+def load_inputs(args: argparse.Namespace, raw: dict[str, Any] | None = None) -> PlanInputs:
+    raw = read_input_file(args.input) if raw is None else raw
+    if args.model and args.input:
         raw["model"] = load_model_section(args.model)
     workload: dict[str, Any] = {}
     for flag, key in (
@@ -60,13 +90,27 @@ def load_inputs(args: argparse.Namespace) -> PlanInputs:
             workload[key] = value
     if "model" not in raw:
         raise PlanInputError(f"invalid planner input ({args.input}):\n  model: give --model or a `model:` section")
-    return PlanInputs.from_dict(raw, overrides={"workload": workload} if workload else None, source=args.input)
+    return PlanInputs.from_dict(raw, overrides={"workload": workload} if workload else None, source=args.input or "the swarm")
+
+
+def current_layout(inputs: PlanInputs, ranges: list[tuple[str, int, int]], best) -> dict[str, Any]:
+    """The swarm's current assignment scored by the same model as the plan (or why it cannot be)."""
+    assignment, reason = current_assignment(ranges, inputs.model.num_blocks)
+    if assignment is None:
+        return {"assignment": None, "reason": reason}
+    evaluation = evaluate(inputs, assignment, best.batch_size, best.micro_batches)
+    return {"assignment": assignment, "feasible": evaluation.feasible, "reason": evaluation.reason,
+            "throughput_tokens_per_s": evaluation.throughput if evaluation.feasible else None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    ranges = None
     try:
-        inputs = load_inputs(args)
+        raw = None
+        if args.initial_peers:
+            raw, ranges = swarm_input(args)
+        inputs = load_inputs(args, raw)
     except (PlanInputError, ModelConfigError) as exc:
         print(f"bloombee-plan: {exc}", file=sys.stderr)
         return 2
@@ -83,14 +127,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         simulated = plot_schedule(best.evaluation, args.plot)
     else:
         simulated = simulate(best.evaluation)[1]
+    current = current_layout(inputs, ranges, best) if ranges is not None else None
     if args.json:
         report = json_report(inputs, best, others, simulated)
         report["feasible"] = True
         if args.plot:
             report["plot"] = args.plot
+        if current is not None:
+            report["current"] = current
         print(json.dumps(report, indent=2))
     else:
         print(text_report(inputs, best, others, simulated))
+        if current is not None:
+            estimate = current.get("throughput_tokens_per_s")
+            print(f"current swarm layout {current['assignment']}: "
+                  + (f"{estimate:.1f} tokens/s estimated (plan: {best.throughput:.1f})" if estimate else current["reason"]))
         if args.plot:
             print(f"schedule plot: {args.plot}")
     return 0

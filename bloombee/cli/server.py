@@ -2,9 +2,12 @@
 
 import argparse
 import asyncio
+import json
+from pathlib import Path
 
 from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
 from bloombee.dht.peers import start_dht, visible_maddrs
+from bloombee.planner.placement import node_range
 from bloombee.server.server import BlockChoice, Server
 from bloombee.settings import ServerSettings, load_settings
 
@@ -17,12 +20,23 @@ def parse_blocks(text: str) -> tuple[int, int]:
     return start, end
 
 
+def check_offload(alpha: float, device: str) -> None:
+    """A plan's KV offload fraction: nothing to do on CPU (the cache is in host memory already)."""
+    if alpha > 0 and not device.startswith("cpu"):
+        raise SystemExit(f"bloombee-server: the plan offloads {alpha:.0%} of this node's KV cache to host memory, "
+                         "and KV offloading is not built yet; plan with more GPU memory or run on --device cpu")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bloombee-server", description=__doc__)
     parser.add_argument("--model", required=True, help="model folder, hub id or alias (e.g. bloombee-tiny, llama-30b)")
     blocks = parser.add_mutually_exclusive_group()
     blocks.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (END exclusive)")
     blocks.add_argument("--num-blocks", type=int, help="serve this many blocks where the swarm is weakest")
+    blocks.add_argument("--plan", help="serve the blocks a `bloombee-plan --json` output gives --node")
+    parser.add_argument("--node", help="this server's node name in --plan")
+    parser.add_argument("--profile", nargs="?", const="bloombee-profile.yaml", default=None, metavar="PATH",
+                        help="measure this server's planner profile, write it (default bloombee-profile.yaml) and announce it")
     parser.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
@@ -43,11 +57,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.new_swarm:
         print("Started a new swarm. Join it with:", flush=True)
         print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
-    start, end = args.blocks or (None, None)
+    if args.plan:
+        if not args.node:
+            raise SystemExit("bloombee-server: --plan needs --node NAME (the node's name in the plan)")
+        start, end, alpha = node_range(json.loads(Path(args.plan).read_text()), args.node)
+        check_offload(alpha, args.device)
+    else:
+        start, end = args.blocks or (None, None)
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
     try:
         server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
-                        public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8)
+                        public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
+                        profile_path=args.profile)
         asyncio.run(server.run())
     finally:
         dht.shutdown()

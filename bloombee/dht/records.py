@@ -35,6 +35,7 @@ class ServerRecord(BaseModel):
     codecs: tuple[str, ...] = ()
     features: tuple[str, ...] = ()
     maddrs: tuple[str, ...] = ()
+    profile: dict[str, Any] | None = Field(None, description="planner node measured by --profile: memory, cost table, link, codec")
 
     @model_validator(mode="after")
     def _check_range(self) -> "ServerRecord":

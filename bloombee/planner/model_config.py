@@ -31,16 +31,10 @@ class ModelConfigError(ValueError):
 
 def load_config(name_or_path: str):
     """The transformers config of a model: alias, hub id or local folder."""
-    try:
-        from bloombee.loading import load_model_config  # noqa: PLC0415 (optional, resolves aliases too)
-    except ImportError:
-        load_model_config = None
-    try:
-        if load_model_config is not None:
-            return load_model_config(name_or_path)
-        from transformers import AutoConfig  # noqa: PLC0415
+    from bloombee.loading import load_model_config
 
-        return AutoConfig.from_pretrained(name_or_path)
+    try:
+        return load_model_config(name_or_path)
     except Exception as exc:  # noqa: BLE001 (any loader failure becomes one clear message)
         raise ModelConfigError(
             f"cannot load the config of model '{name_or_path}': {type(exc).__name__}: {exc}. "

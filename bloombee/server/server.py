@@ -4,10 +4,12 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import hivemind
 from hivemind.utils import get_dht_time
 import torch
+import yaml
 
 import bloombee
 from bloombee import codec
@@ -17,6 +19,7 @@ from bloombee.protocol import PROTOCOL_FEATURES
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
+from bloombee.server.profile import measure_profile
 from bloombee.server.sessions import CacheBudget, SessionRegistry
 from bloombee.server.throughput import cached_block_throughput
 from bloombee.settings import ServerSettings
@@ -37,7 +40,8 @@ class Server:
     """Owns one DHT peer, one block range and the servicer; `run()` serves until `stop()` or a signal."""
 
     def __init__(self, model: str, dht: hivemind.DHT, blocks: BlockChoice, settings: ServerSettings,
-                 device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6):
+                 device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6,
+                 profile_path: str | None = None):
         self.model_path = resolve_model(model)
         self.config = load_model_config(self.model_path)
         self.prefix = dht_prefix(model)
@@ -50,6 +54,7 @@ class Server:
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
         self.backend = self._load(*self._initial_range())
+        self.profile = self._profile(Path(profile_path)) if profile_path else None
         self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth)
 
     def _initial_range(self) -> tuple[int, int]:
@@ -73,6 +78,20 @@ class Server:
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s", start, end, self.model_path, self.device, backend.dtype)
         return backend
 
+    def _profile(self, path: Path) -> dict:
+        """Measure this server's planner node, write it to `path` (YAML) and keep it for the DHT record."""
+        cpu_backend = None
+        if self.device.type != "cpu":
+            start = self.backend.start
+            cpu_stack = load_block_stack(self.model_path, start, start + 1, dtype=torch.float32, device="cpu")
+            cpu_backend = BlockBackend(cpu_stack, torch.device("cpu"), torch.float32)
+        name = self.public_name or self.dht.peer_id.to_base58()
+        node = measure_profile(self.backend, cpu_backend, name, self.link_bandwidth * 8 / 1e6)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({"nodes": [node]}, sort_keys=False))
+        logger.info("Wrote the planner profile of this server to %s", path)
+        return node
+
     def record(self) -> ServerRecord:
         return ServerRecord(
             state=self.state,
@@ -88,6 +107,7 @@ class Server:
             codecs=codec.LAYOUTS,
             features=PROTOCOL_FEATURES,
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
+            profile=self.profile,
         )
 
     def info(self) -> dict:

@@ -1,0 +1,45 @@
+"""From plans to servers and back: a node's block range in a plan, a swarm's servers as planner nodes."""
+
+from typing import Any
+
+from bloombee.dht.records import ServerRecord, ServerState
+
+
+def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
+    """Blocks [start, end) and KV offload fraction of `node` in a `bloombee-plan --json` report."""
+    if not report.get("feasible", True) or "plan" not in report:
+        raise ValueError(f"the plan file holds no feasible plan: {report.get('reason', 'no plan section')}")
+    names, assignment = report["nodes"], report["plan"]["assignment"]
+    if node not in names:
+        raise ValueError(f"node {node!r} is not in the plan; its nodes are {names}")
+    index = names.index(node)
+    if assignment[index] == 0:
+        raise ValueError(f"the plan gives node {node!r} no blocks (it is skipped); do not start it, or plan again")
+    start = sum(assignment[:index])
+    return start, start + assignment[index], float(report["plan"]["alphas"][index])
+
+
+def swarm_nodes(servers: dict[str, ServerRecord]) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
+    """Planner nodes of the online servers with a profile, in pipeline order, and their current ranges."""
+    online = [(record.start_block, peer_id, record) for peer_id, record in servers.items()
+              if record.state == ServerState.ONLINE and record.profile is not None]
+    online.sort()
+    nodes, ranges = [], []
+    for _, peer_id, record in online:
+        name = record.public_name or peer_id
+        nodes.append({**record.profile, "name": name})
+        ranges.append((name, record.start_block, record.end_block))
+    return nodes, ranges
+
+
+def current_assignment(ranges: list[tuple[str, int, int]], num_blocks: int) -> tuple[list[int] | None, str]:
+    """The swarm's layout as a planner assignment when it is one pipeline (ranges tile [0, L) in order)."""
+    position, assignment = 0, []
+    for name, start, end in ranges:
+        if start != position:
+            return None, f"{name} serves {start}:{end}, not starting at block {position}: the swarm is not a single pipeline"
+        assignment.append(end - start)
+        position = end
+    if position != num_blocks:
+        return None, f"the servers cover blocks 0:{position} of {num_blocks}"
+    return assignment, ""

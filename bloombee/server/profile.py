@@ -1,0 +1,100 @@
+"""`bloombee-server --profile`: measure this server's per-block cost table, memory and codec for the planner.
+
+The result is a planner node (`bloombee.planner.NodeSpec`): per-block decode times as functions of
+the micro-batch size, split into what does not depend on the context (projections, MLP, norms:
+the time of a step over a 1-token cache) and attention over a `seq_len`-token cache (the extra time
+of a step over that cache), once with the cache on the server's device and once with it in host
+memory computed by the CPU.
+"""
+
+import logging
+import os
+import time
+
+import torch
+
+from bloombee import codec
+from bloombee.planner import NodeSpec
+from bloombee.server.backend import BlockBackend
+from bloombee.server.sessions import Session
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+MICRO_BATCHES = (1, 4, 16)
+
+
+def _session(backend: BlockBackend, batch: int, max_length: int) -> Session:
+    first = backend.start
+    return Session(session_id="profile", start_block=first, end_block=first + 1, batch_size=batch, max_length=max_length,
+                   caches=backend.new_caches(first, first + 1, batch, max_length),
+                   token_mask=torch.zeros(batch, max_length, dtype=torch.bool),
+                   output_history=torch.zeros(batch, max_length, backend.hidden_size, dtype=backend.dtype))
+
+
+def _decode_ms(backend: BlockBackend, batch: int, context: int, repeats: int = 3) -> tuple[float, torch.Tensor]:
+    """Milliseconds of one decode step of one block over a `context`-token cache (best of `repeats`)."""
+    session = _session(backend, batch, context + repeats + 1)
+    prompt = torch.randn(batch, context, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    prefill = backend.step(session, prompt, 0, 0, None, None)
+    best = float("inf")
+    for repeat in range(repeats):
+        began = time.perf_counter()
+        backend.step(session, prompt[:, :1], context + repeat, 0, None, None)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        best = min(best, time.perf_counter() - began)
+    return 1e3 * best, prefill
+
+
+def _cost_columns(backend: BlockBackend, seq_len: int) -> tuple[list[float], list[float]]:
+    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens)."""
+    mlp, attention = [], []
+    for batch in MICRO_BATCHES:
+        short, _ = _decode_ms(backend, batch, 1)
+        full, _ = _decode_ms(backend, batch, seq_len)
+        mlp.append(short)
+        attention.append(max(full - short, 0.0))
+    return mlp, attention
+
+
+def _memory_gib(device: torch.device) -> tuple[float, float]:
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB, host
+    return host, host
+
+
+def _codec_figures(hidden: torch.Tensor) -> dict:
+    """Ratio and speeds (raw MB/s) of the codec on this server's own block outputs."""
+    began = time.perf_counter()
+    frame = codec.encode(hidden, "auto")
+    encoded = time.perf_counter()
+    codec.decode(frame)
+    decoded = time.perf_counter()
+    raw = hidden.numel() * hidden.element_size()
+    return {"ratio": raw / len(frame), "compress_mb_per_s": raw / 1e6 / max(encoded - began, 1e-9),
+            "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded, 1e-9)}
+
+
+def measure_profile(backend: BlockBackend, cpu_backend: BlockBackend | None, name: str, link_mbps: float,
+                    seq_len: int = 128) -> dict:
+    """The planner node of this server; `cpu_backend` (one block on the CPU) measures host-memory attention."""
+    mlp, attention_device = _cost_columns(backend, seq_len)
+    attention_host = attention_device if cpu_backend is None else _cost_columns(cpu_backend, seq_len)[1]
+    _, sample = _decode_ms(backend, MICRO_BATCHES[-1], seq_len, repeats=1)
+    device_memory, host_memory = _memory_gib(backend.device)
+    device_name = torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu"
+    node = {
+        "name": name,
+        "gpu": f"{device_name} ({str(backend.dtype).removeprefix('torch.')})",
+        "gpu_memory_gib": device_memory,
+        "host_memory_gib": host_memory,
+        "cost": {"table": {"micro_batch": list(MICRO_BATCHES), "mlp_ms": mlp, "attn_gpu_ms": attention_device,
+                           "attn_cpu_ms": attention_host}, "reference_seq_len": seq_len},
+        "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0},
+        "compression": _codec_figures(sample),
+    }
+    NodeSpec.model_validate(node)
+    logger.info("Profile of %s: %s", name, node["cost"]["table"])
+    return node
