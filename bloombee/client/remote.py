@@ -13,6 +13,7 @@ from bloombee.client.session import InferenceSession
 from bloombee.client.spans import RequestRejected
 from bloombee.codec import LAYOUTS, CompressionPolicy
 from bloombee.protocol import ErrorKind, Message, MessageKind, pack, unpack
+from bloombee.protocol.streams import single
 from bloombee.server.handler import BlockServicer
 from bloombee.settings import ClientSettings
 
@@ -88,9 +89,4 @@ class RemoteSequential:
                 raise RequestRejected(f"server {span.peer_id} rejected the forward: {message.error}")
             raise ConnectionError(f"server {span.peer_id}: {message.error}")
         return tensors["hidden"]
-
-
-async def single(item):
-    """A one-item async stream, for stream RPCs that take one request."""
-    yield item
 

@@ -14,7 +14,18 @@ from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
 from bloombee.dht.records import ServerRecord
-from bloombee.protocol import ErrorKind, Hop, HopReport, Message, MessageKind, StepHeader, encode_tensors, envelope, pack, unpack
+from bloombee.protocol import (
+    ErrorKind,
+    Hop,
+    HopReport,
+    Message,
+    MessageKind,
+    StepHeader,
+    encode_tensors,
+    envelope,
+    pack,
+    unpack,
+)
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)

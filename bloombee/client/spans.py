@@ -10,6 +10,7 @@ from hivemind.proto import runtime_pb2
 
 from bloombee.client.routing import Span
 from bloombee.protocol import ErrorKind, Message, MessageKind, OpenSession, pack
+from bloombee.protocol.streams import queue_stream
 from bloombee.server.handler import BlockServicer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class SpanStream:
                               max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth)
         await self._outbox.put(pack(Message(kind=MessageKind.OPEN, open=request)))
         stub = BlockServicer.get_stub(p2p, PeerID.from_base58(self.span.peer_id))
-        responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
+        responses = await asyncio.wait_for(stub.rpc_inference(queue_stream(self._outbox)), timeout)
         first = await asyncio.wait_for(anext(aiter(responses), None), timeout)
         if first is None:
             raise ConnectionError(f"server {self.span.peer_id} closed the stream before opening a session")
@@ -54,13 +55,6 @@ class SpanStream:
                 raise RequestRejected(f"server {name} refused the session: {reply.error}")
             raise ConnectionError(f"server {name} failed to open a session: {reply.error}")
         self._reader = asyncio.create_task(self._read(responses))
-
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while True:
-            envelope = await self._outbox.get()
-            if envelope is None:
-                return
-            yield envelope
 
     async def _read(self, responses: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         try:

@@ -10,6 +10,7 @@ from hivemind.proto import runtime_pb2
 
 from bloombee.codec import CompressionPolicy
 from bloombee.protocol import Message, MessageKind
+from bloombee.protocol.streams import queue_stream
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +34,10 @@ class PushChannel:
         if self.failed:
             raise ConnectionError(f"push stream to {self.peer_id} has already failed")
         if self._reader is None:
-            responses = await self._stub.rpc_push(self._requests())
+            responses = await self._stub.rpc_push(queue_stream(self._outbox))
             self._reader = asyncio.create_task(self._read_acks(responses))
         self._sent[step_id] = (time.perf_counter(), wire_bytes)
         await self._outbox.put(envelope)
-
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while True:
-            envelope = await self._outbox.get()
-            if envelope is None:
-                return
-            yield envelope
 
     async def _read_acks(self, responses: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         try:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hivemind
-from hivemind.utils import get_dht_time
 import torch
 import yaml
+from hivemind.utils import get_dht_time
 
 import bloombee
 from bloombee import codec
