@@ -3,6 +3,7 @@
 Used by the demo, the tests and the benchmarks. Every process binds to 127.0.0.1 only.
 """
 
+import contextlib
 import logging
 import os
 import re
@@ -136,8 +137,10 @@ class LocalSwarm:
             try:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
+                logger.warning("Process %d did not stop within 20 s of SIGTERM; killing its group", process.pid)
+            with contextlib.suppress(ProcessLookupError):  # the group is gone already after a clean stop
                 os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            process.wait()
         if self._dht is not None:
             self._dht.shutdown()
             self._dht = None

@@ -75,7 +75,7 @@ def test_identity_file_keeps_peer_id(tmp_path):
     ids = []
     for _ in range(2):
         process = subprocess.Popen([sys.executable, "-m", "bloombee.cli.dht", "--identity-path", str(identity)],
-                                   stdout=subprocess.PIPE, text=True)
+                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
             for line in process.stdout:
                 found = re.search(r"/p2p/(\w+)", line)
@@ -84,7 +84,8 @@ def test_identity_file_keeps_peer_id(tmp_path):
                     break
         finally:
             process.terminate()
-            process.wait(timeout=30)
+            assert process.wait(timeout=30) == 0
+            assert not group_alive(process.pid), "bloombee-dht left processes behind"
     assert len(ids) == 2 and ids[0] == ids[1]
 
 
@@ -105,7 +106,7 @@ def test_new_swarm_server_prints_initial_peers_and_serves(tmp_path):
     folder = save_tiny_llama(tmp_path / "new-swarm-llama", num_layers=2)
     process = subprocess.Popen([sys.executable, "-m", "bloombee.cli.server", "--model", str(folder), "--new-swarm",
                                 "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "BLOOMBEE_CACHE": str(tmp_path / "cache")})
+                               env={**os.environ, "BLOOMBEE_CACHE": str(tmp_path / "cache")}, start_new_session=True)
     try:
         peers = []
         for line in process.stdout:
@@ -126,3 +127,17 @@ def test_new_swarm_server_prints_initial_peers_and_serves(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=60)
+        assert not group_alive(process.pid), "bloombee-server left processes behind"
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of a process group is still alive a few seconds after its leader exited."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.2)
+    os.killpg(group, signal.SIGKILL)
+    return True

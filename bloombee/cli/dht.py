@@ -13,14 +13,16 @@ def main(argv: list[str] | None = None) -> None:
     add_peer_flags(parser)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
-    dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal)
-    print("Bootstrap peer running. Join the swarm with:", flush=True)
-    print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
-    stopped.wait()
-    dht.shutdown()
+    dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal)
+    try:
+        print("Bootstrap peer running. Join the swarm with:", flush=True)
+        print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
+        stopped.wait()
+    finally:
+        dht.shutdown()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
@@ -18,6 +19,10 @@ def parse_blocks(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--blocks takes START:END, e.g. 0:4; got {text!r}") from None
     return start, end
+
+
+def stop_starting(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum} while starting")
 
 
 def check_offload(alpha: float, device: str) -> None:
@@ -53,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.new_swarm and not args.initial_peers:
         raise SystemExit("bloombee-server: pass --initial-peers of a running swarm, or --new-swarm to start one")
     settings = load_settings(ServerSettings, settings_overrides(args, ServerSettings))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # until the server's loop takes over: stop cleanly, DHT included
+        signal.signal(sig, stop_starting)
     dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal)
     if args.new_swarm:
         print("Started a new swarm. Join it with:", flush=True)
