@@ -128,11 +128,11 @@ class LocalSwarm:
         server.process.wait(timeout=60)
 
     def stop(self) -> None:
-        """Stop every process (SIGTERM, then SIGKILL) and the watcher DHT."""
+        """Stop every process (SIGTERM, then SIGKILL to whatever is left of its group) and the watcher DHT."""
         processes = [server.process for server in self.servers] + ([self.bootstrap] if self.bootstrap else [])
         for process in processes:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                process.send_signal(signal.SIGTERM)  # the process stops its own DHT peer and p2p daemon
         for process in processes:
             try:
                 process.wait(timeout=20)
