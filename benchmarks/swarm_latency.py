@@ -23,6 +23,7 @@ from bloombee.loading import dht_prefix, load_model_config, resolve_model
 from bloombee.local_swarm import LocalSwarm
 
 RESULTS = Path(__file__).parent / "results"
+WARMUP = 8  # steps run before timing, on both sides
 
 
 def split(num_blocks: int, parts: int) -> list[str]:
@@ -36,26 +37,26 @@ def local_step_seconds(model, batch: int, prompt: int, steps: int) -> list[float
     out = model(ids, use_cache=True)
     cache, token = out.cache, out.logits[:, -1:].argmax(-1)
     times = []
-    for _ in range(steps):
+    for _ in range(WARMUP + steps):
         began = time.perf_counter()
         out = model(token, cache=cache, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - began)
         cache = out.cache
-    return times
+    return times[WARMUP:]
 
 
 @torch.inference_mode()
 def swarm_step_seconds(model, batch: int, prompt: int, steps: int) -> list[float]:
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt))
     times = []
-    with model.remote.inference_session(max_length=prompt + steps + 1, batch_size=batch) as session:
+    with model.remote.inference_session(max_length=prompt + WARMUP + steps + 1, batch_size=batch) as session:
         token = model.head.logits(session.step(model.head.embed(ids)))[:, -1:].argmax(-1)
-        for _ in range(steps):
+        for _ in range(WARMUP + steps):
             began = time.perf_counter()
             token = model.head.logits(session.step(model.head.embed(token)))[:, -1:].argmax(-1)
             times.append(time.perf_counter() - began)
-    return times
+    return times[WARMUP:]
 
 
 def summary(times: list[float]) -> dict:
