@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.netbench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Optimisation switches and the configurations a sweep compares.
+
+Each optimisation that exists in the product is one line of ``OPTIMISATIONS``: the server flags
+and client settings that switch it on and off. A configuration is a set of them switched on,
+all others off:
+
+- ``baseline``: everything off;
+- ``all`` (alias ``best``): everything on;
+- ``compression`` (or ``a+b`` for several): just those on;
+- ``auto``: no flags at all, the product's own defaults (compression ``auto``: the break-even
+  rule, seeded with the link speed each node advertises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Optimisation:
+    name: str
+    doc: str
+    server_on: tuple[str, ...]
+    server_off: tuple[str, ...]
+    client_on: Mapping[str, Any] = field(default_factory=dict)
+    client_off: Mapping[str, Any] = field(default_factory=dict)
+
+
+OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
+    Optimisation("compression", "lossless byte-split zstd codec on every hop",
+                 ("--compression", "on"), ("--compression", "off"), {"compression": "on"}, {"compression": "off"}),
+    # Optimisation("micro_batching", "...", ("--micro-batches", "2"), ("--micro-batches", "1"), {...}, {...}),
+)}
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    enabled: frozenset[str] = frozenset()
+    auto: bool = False  # the product's defaults: no switches passed at all
+
+    @property
+    def bandwidth_sensitive(self) -> bool:
+        """Whether the servers' advertised link speed changes behaviour (then servers restart per environment)."""
+        return self.auto
+
+    def server_args(self) -> list[str]:
+        if self.auto:
+            return []
+        args: list[str] = []
+        for name, opt in OPTIMISATIONS.items():
+            args.extend(opt.server_on if name in self.enabled else opt.server_off)
+        return args
+
+    def client_settings(self) -> dict[str, Any]:
+        if self.auto:
+            return {}
+        settings: dict[str, Any] = {}
+        for name, opt in OPTIMISATIONS.items():
+            settings.update(opt.client_on if name in self.enabled else opt.client_off)
+        return settings
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "enabled": sorted(self.enabled), "auto": self.auto,
+                "server_args": self.server_args(), "client_settings": self.client_settings()}
+
+
+def parse_configuration(text: str) -> Configuration:
+    text = text.strip()
+    lower = text.lower()
+    if lower == "baseline":
+        return Configuration("baseline")
+    if lower in ("all", "best"):
+        return Configuration(lower, frozenset(OPTIMISATIONS))
+    if lower == "auto":
+        return Configuration("auto", auto=True)
+    names = [part.strip() for part in text.split("+") if part.strip()]
+    unknown = [name for name in names if name not in OPTIMISATIONS]
+    if not names or unknown:
+        raise ValueError(f"unknown configuration {text!r}: use baseline, all, auto, or optimisations joined by '+' "
+                         f"from: {', '.join(OPTIMISATIONS)}")
+    return Configuration("+".join(names), frozenset(names))
+
+
+def parse_configurations(text: str) -> list[Configuration]:
+    result = [parse_configuration(part) for part in text.split(",") if part.strip()]
+    if not result:
+        raise ValueError("no configuration given")
+    names = [config.name for config in result]
+    if len(set(names)) != len(names):
+        raise ValueError(f"configuration listed twice: {names}")
+    return result

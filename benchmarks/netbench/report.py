@@ -1,0 +1,228 @@
+"""Summary tables (markdown) and plots (PNG) of a sweep's runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netbench.metrics import CPU_COPY_NOTE, HEADER_BYTES
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)) else f"{seconds * 1e3:.1f}"
+
+
+def _kb(num: float | None) -> str:
+    return "-" if num is None else f"{num / 1e3:.1f}"
+
+
+def _ratio(values: list[float]) -> str:
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:.3f}" if abs(high - low) < 5e-4 else f"{low:.3f}-{high:.3f}"
+
+
+def _rule(header: str) -> str:
+    return "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"
+
+
+def summary_table(summaries: list[dict]) -> str:
+    header = ("| env | config | tok/s decode | tok/s e2e | step median ms | step p90 ms | KB/step (process) | KB/step (iface) "
+              "| iface/process per hop | agree | raw/wire | compute ms | transport ms | wire ms | floor ms | measured/floor |")
+    lines = [header, _rule(header)]
+    for s in summaries:
+        lines.append(
+            f"| {s['env']} | {s['config']} | {s['decode_tokens_per_s']:.1f} | {s['e2e_tokens_per_s']:.1f} "
+            f"| {_ms(s['step_median_s'])} | {_ms(s['step_p90_s'])} | {_kb(s['step_wire_bytes'])} | {_kb(s['step_iface_bytes'])} "
+            f"| {_ratio(s['iface_over_app'])} | {'yes' if s['counters_agree'] else 'NO'} | {s['compression_ratio']:.3f} | {_ms(s['compute_s'])} | {_ms(s['transport_s'])} "
+            f"| {_ms(s['wire_s'])} "
+            f"| {_ms(s['floor_s'])} | {s['measured_over_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+def comparison_table(summaries: list[dict], reference: str = "baseline") -> str:
+    """Each configuration against `reference`, per environment: throughput, transport, bytes, measured/floor."""
+    by_key = {(s["env"], s["config"]): s for s in summaries}
+    others = [c for c in dict.fromkeys(s["config"] for s in summaries) if c != reference]
+    if not others or not any(s["config"] == reference for s in summaries):
+        return ""
+    header = ("| env | config | tok/s (vs " + reference + ") | speed-up | transport ms (vs " + reference + ") "
+              "| KB/step (vs " + reference + ") | measured/floor " + reference + " | measured/floor config |")
+    lines = [header, _rule(header)]
+    for env in dict.fromkeys(s["env"] for s in summaries):
+        base = by_key.get((env, reference))
+        for config in others:
+            run = by_key.get((env, config))
+            if base is None or run is None:
+                continue
+            lines.append(
+                f"| {env} | {config} | {run['decode_tokens_per_s']:.1f} ({base['decode_tokens_per_s']:.1f}) "
+                f"| {run['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x "
+                f"| {_ms(run['transport_s'])} ({_ms(base['transport_s'])}) "
+                f"| {_kb(run['step_wire_bytes'])} ({_kb(base['step_wire_bytes'])}) "
+                f"| {base['measured_over_floor']:.2f} | {run['measured_over_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(summaries: list[dict]) -> str:
+    header = ("| env | config | hop | rate Mbps | KB (iface) | T d2h ms | T encode+send ms | T wire ms (of which at rate) "
+              "| T recv+decode ms | T h2d ms | compute ms (receiver) |")
+    lines = [header, _rule(header)]
+    for s in summaries:
+        for row in s["breakdown"]["hops"]:
+            rate = "unshaped" if row["rate_mbps"] is None else f"{row['rate_mbps']:g}"
+            compute = "-" if row["compute_s"] is None else f"{_ms(row['compute_s'])} ({row['computed_by']})"
+            lines.append(f"| {s['env']} | {s['config']} | {row['hop']} | {rate} | {_kb(row['bytes'])} | {_ms(row['d2h_s'])} "
+                         f"| {_ms(row['encode_s'])} | {_ms(row['wire_s'])} ({_ms(row['serialization_s'])}) | {_ms(row['decode_s'])} "
+                         f"| {_ms(row['h2d_s'])} | {compute} |")
+    return "\n".join(lines)
+
+
+COLUMNS = (
+    "Columns: one step = one decode step of the whole batch, medians over every decode step of every repeat. "
+    "`tok/s decode` = batch x decode steps / their wall time (client embeddings and LM head included); `tok/s e2e` "
+    "includes the prefill. `KB/step (process)` = bytes of all hops of one decode step as the processes count them "
+    "(encoded tensor frames); `KB/step (iface)` = the hops' senders' uplink tx bytes per decode step, less the idle "
+    "swarm's background (DHT upkeep, measured for a few seconds before the runs); `iface/process` = the interface "
+    f"bytes less {HEADER_BYTES} header bytes per packet, over the process's bytes, per hop (the rest is message "
+    "headers, libp2p framing and the servers' small per-step acks); `agree` = every hop within -3 % / +5 % + 1.5 KB "
+    "of the process's count. `transport` = chain time less compute "
+    "(encode + wire + decode of all hops): the part the optimisations act on, and less exposed to the CPU load of "
+    "this shared machine than the step time. `wire` = chain time less encode, decode and compute. `floor` = compute "
+    "of the blocks + every hop's interface bytes at its shaped rate (unshaped hops count 0); `measured/floor` = "
+    f"median chain time (client encode to client decode) / floor. {CPU_COPY_NOTE}."
+)
+BREAKDOWN_NOTE = ("T wire = step time left after encode, decode and compute, per hop: its bytes at the shaped rate "
+                  "(in brackets) plus an equal share of the remaining stack overhead.")
+
+
+def describe(meta: dict) -> list[str]:
+    machine = meta["machine"]
+    servers = ", ".join(f"{node} {start}:{end}" for node, (start, end) in zip(meta["server_nodes"], meta["ranges"]))
+    dtype = meta.get("dtype_resolved", meta["dtype"])
+    retried = sum(s.get("failed_attempts", 0) for s in meta.get("_summaries", []))
+    return [
+        *([f"**INCOMPLETE**: the sweep stopped early: {meta['incomplete']}", ""] if meta.get("incomplete") else []),
+        *([f"{retried} run(s) failed once and were run again (see failed_attempts in runs/*.json).", ""] if retried else []),
+        f"Reproduce (as root, from the repository root): `{meta['command']}`",
+        "",
+        (f"Model: {meta['model_name']} ({meta['model_note']}); hidden {meta['hidden_size']}, {meta['num_blocks']} blocks, "
+         f"dtype {dtype}. Servers: {servers}. Batch {meta['batch']}, prompt {meta['prompt_len']} tokens, "
+         f"{meta['new_tokens']} new tokens (1 prefill + {meta['new_tokens'] - 1} decode steps), {meta.get('repeats', 1)} "
+         f"repeat(s); before each run a warm-up session (1-token prompt, {meta['warmup_steps']} decode steps)."),
+        (f"Machine: {machine['cpus']} CPUs (shared), load average {machine['loadavg_start']} at the start, "
+         f"{machine.get('loadavg_end', '?')} at the end; kernel {machine['kernel']}; git {machine['git']}; {meta['started']}."),
+    ]
+
+
+def write_markdown(path: Path, meta: dict, summaries: list[dict]) -> None:
+    lines = [f"# netbench sweep: {meta['model_name']}", "", *describe({**meta, "_summaries": summaries}), "", COLUMNS, "",
+             summary_table(summaries), ""]
+    comparison = comparison_table(summaries)
+    if comparison:
+        lines += ["## Against the baseline", "", comparison, ""]
+    lines += ["## Transport breakdown (median decode step)", "", BREAKDOWN_NOTE, "",
+              breakdown_table(summaries), ""]
+    path.write_text("\n".join(lines))
+
+
+def plot_grouped(path: Path, summaries: list[dict], title: str, value, ylabel: str, fmt: str = "%.0f") -> None:
+    """Bars per environment, one per configuration (the paper's figures 8, 10, 11)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = list(dict.fromkeys(s["env"] for s in summaries))
+    configs = list(dict.fromkeys(s["config"] for s in summaries))
+    by_key = {(s["env"], s["config"]): s for s in summaries}
+    width = 0.8 / max(len(configs), 1)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(envs), 4.2))
+    for index, config in enumerate(configs):
+        xs, ys = [], []
+        for position, env in enumerate(envs):
+            if (env, config) in by_key:
+                xs.append(position + (index - (len(configs) - 1) / 2) * width)
+                ys.append(value(by_key[(env, config)]))
+        bars = ax.bar(xs, ys, width, label=config)
+        ax.bar_label(bars, fmt=fmt, fontsize=7)
+    ax.set_xticks(range(len(envs)), envs)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(path: Path, summaries: list[dict], title: str) -> None:
+    plot_grouped(path, summaries, title, lambda s: s["decode_tokens_per_s"], "decode throughput (tokens/s)")
+
+
+def plot_transport(path: Path, summaries: list[dict], title: str) -> None:
+    plot_grouped(path, summaries, title + " - transport = step less compute", lambda s: s["transport_s"] * 1e3,
+                 "transport per decode step (ms)")
+
+
+def plot_breakdown(path: Path, summaries: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{s['env']}\n{s['config']}" for s in summaries]
+    parts = {
+        "compute (blocks)": [s["breakdown"]["compute_total_s"] for s in summaries],
+        "encode + send": [s["breakdown"]["encode_total_s"] for s in summaries],
+        "receive + decode": [s["breakdown"]["decode_total_s"] for s in summaries],
+        "wire: bytes at the shaped rate": [sum(r["serialization_s"] for r in s["breakdown"]["hops"]) for s in summaries],
+        "wire: stack overhead": [s["breakdown"]["stack_overhead_s"] for s in summaries],
+    }
+    fig, ax = plt.subplots(figsize=(1.5 + 0.75 * len(summaries), 4.6))
+    bottom = [0.0] * len(summaries)
+    for name, values in parts.items():
+        ms = [v * 1e3 for v in values]
+        ax.bar(range(len(summaries)), ms, 0.7, bottom=bottom, label=name)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.scatter(range(len(summaries)), [s["floor_s"] * 1e3 for s in summaries], marker="_", s=300, color="black", zorder=3,
+               label="floor")
+    ax.set_xticks(range(len(summaries)), labels, fontsize=7)
+    ax.set_ylabel("median decode step (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_sweep_outputs(out_dir: Path, meta: dict, summaries: list[dict], plots: bool = True) -> dict[str, str]:
+    """summary.md, summary.json and (with matplotlib) throughput.png, transport.png, breakdown.png in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_markdown(out_dir / "summary.md", meta, summaries)
+    (out_dir / "summary.json").write_text(json.dumps(clean_json({"meta": meta, "runs": summaries}), indent=1))
+    paths = {"summary_md": str(out_dir / "summary.md"), "summary_json": str(out_dir / "summary.json")}
+    if plots and summaries:
+        title = f"{meta['model_name']}: B={meta['batch']}, {len(meta['ranges'])} servers, {meta.get('dtype_resolved', meta['dtype'])}"
+        try:
+            plot_throughput(out_dir / "throughput.png", summaries, title)
+            plot_breakdown(out_dir / "breakdown.png", summaries, title)
+            plot_transport(out_dir / "transport.png", summaries, title)
+            paths.update(throughput_png=str(out_dir / "throughput.png"), breakdown_png=str(out_dir / "breakdown.png"),
+                         transport_png=str(out_dir / "transport.png"))
+        except ImportError:
+            pass  # no matplotlib: tables only
+    return paths
+
+
+def clean_json(value: Any) -> Any:
+    """NaN and infinities become null, so the files are strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: clean_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_json(item) for item in value]
+    return value

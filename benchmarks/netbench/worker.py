@@ -1,0 +1,211 @@
+"""The client workload, run inside the client's namespace: `ip netns exec NS python -m benchmarks.netbench.worker`.
+
+It talks to the harness with one JSON object per line: commands on stdin, replies on the
+original stdout (everything else the process prints goes to stderr, i.e. its log). Commands:
+
+- ``init``: join the swarm (a client-mode DHT peer bound to the namespace's address, NAT traversal off);
+- ``wait_online``: wait until the named servers announce themselves online;
+- ``run``: one warm-up session (a 1-token prompt and ``warmup_steps`` decode steps), then one measured session: a prefill step of the prompt and
+  ``new_tokens - 1`` greedy decode steps through ``session.step`` (the client computes embeddings
+  and the LM head itself). Before the prefill, before the first decode step and after the last
+  one it writes ``{"event": "mark", ...}`` and waits for ``{"cmd": "continue"}``: the harness
+  reads the interface counters there;
+- ``quit``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+logger = logging.getLogger("benchmarks.netbench.worker")
+
+ROOT = Path(__file__).resolve().parents[2]
+EVAL_TEXT = ROOT / "bloombee" / "assets" / "eval" / "heldout_sample.txt"
+COMMANDS = ("init", "wait_online", "run")
+
+
+class Channel:
+    def __init__(self, inp: TextIO, out: TextIO):
+        self.inp, self.out = inp, out
+
+    def send(self, obj: dict) -> None:
+        self.out.write(json.dumps(obj) + "\n")
+        self.out.flush()
+
+    def receive(self) -> dict | None:
+        line = self.inp.readline()
+        return json.loads(line) if line else None
+
+    def mark(self, name: str) -> None:
+        self.send({"event": "mark", "name": name})
+        reply = self.receive()
+        if not reply or reply.get("cmd") != "continue":
+            raise RuntimeError(f"expected 'continue' after mark {name}, got {reply!r}")
+
+
+class Workload:
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self.dht = None
+        self.model_path: str = ""
+        self.models: dict[str, Any] = {}
+        self.dtype = None
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def init(self, model: str, initial_peers: list[str], host_ip: str, dtype: str = "float32", threads: int = 0) -> dict:
+        import torch
+
+        from bloombee.dht.peers import start_dht
+        from bloombee.loading import dht_prefix, load_model_config
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model_path = model
+        self.config = load_model_config(model)
+        if dtype == "auto":  # the checkpoint's own dtype, as the servers' --dtype auto does
+            saved = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None) or torch.float32
+            self.dtype = getattr(torch, saved) if isinstance(saved, str) else saved
+        else:
+            self.dtype = getattr(torch, dtype)
+        self.prefix = dht_prefix(model)
+        self.dht = start_dht(initial_peers, host_maddrs=[f"/ip4/{host_ip}/tcp/0"], nat_traversal=False, client_mode=True)
+        return {"peer_id": self.dht.peer_id.to_base58(), "prefix": self.prefix, "dtype": str(self.dtype).replace("torch.", ""), "num_blocks": self.config.num_hidden_layers,
+                "hidden_size": self.config.hidden_size, "vocab_size": self.config.vocab_size}
+
+    def wait_online(self, names: list[str], timeout_s: float = 300.0) -> dict:
+        from bloombee.dht.records import ServerState, fetch_records
+
+        deadline = time.monotonic() + timeout_s
+        online: dict[str, list[int]] = {}
+        while time.monotonic() < deadline:
+            online = {}
+            for records in fetch_records(self.dht, self.prefix, self.config.num_hidden_layers):
+                for record in records.values():
+                    if record.state == ServerState.ONLINE:
+                        online[record.public_name] = [record.start_block, record.end_block]
+            if set(names) <= set(online):
+                return {"online": online}
+            time.sleep(0.5)
+        raise TimeoutError(f"servers {sorted(set(names) - set(online))} did not come online within {timeout_s:g} s "
+                           f"(online: {sorted(online)})")
+
+    def _model(self, allowed: list[str], settings: dict[str, Any]):
+        from bloombee.client import AutoDistributedModel
+
+        key = json.dumps([sorted(allowed), settings], sort_keys=True)
+        if key not in self.models:
+            self.models[key] = AutoDistributedModel.from_pretrained(self.model_path, dht=self.dht, dtype=self.dtype,
+                                                                    allowed_servers=allowed, **settings)
+        return self.models[key]
+
+    def prompt_ids(self, batch: int, prompt_len: int, seed: int):
+        """Real text for models with a tokenizer (activations of real text compress like real ones), else random ids."""
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            from transformers import AutoTokenizer
+
+            from bloombee.loading import resolve_model
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.model_path))
+            ids = tokenizer(EVAL_TEXT.read_text(), return_tensors="pt").input_ids[0]
+            if len(ids) >= prompt_len * 2:
+                starts = torch.randint(0, len(ids) - prompt_len, (batch,), generator=generator)
+                return torch.stack([ids[s:s + prompt_len] for s in starts.tolist()]), "text"
+        except (OSError, ValueError):
+            pass
+        return torch.randint(0, self.config.vocab_size, (batch, prompt_len), generator=generator), "random"
+
+    def run(self, allowed: list[str], settings: dict[str, Any], batch: int, prompt_len: int, new_tokens: int,
+            warmup_steps: int = 2, seed: int = 0, marks: bool = True) -> dict:
+        import torch
+
+        model = self._model(allowed, settings)
+        ids, source = self.prompt_ids(batch, prompt_len, seed)
+        max_length = prompt_len + max(new_tokens, warmup_steps + 1)
+        began = time.perf_counter()
+        with torch.inference_mode():  # opens connections and push streams, warms the codec policies; a 1-token prompt
+            self._generate(model, ids[:, :1], warmup_steps + 1, max_length, None)
+        warmup_s = time.perf_counter() - began
+        with torch.inference_mode():
+            steps, chain, wall = self._generate(model, ids, new_tokens, max_length, self.channel.mark if marks else None)
+        return {"steps": steps, "chain": chain, "generation_s": wall, "warmup_s": warmup_s, "prompt_source": source,
+                "torch_threads": torch.get_num_threads(), "client_settings": settings}
+
+    # -- the generation loop -----------------------------------------------------------------
+
+    def _generate(self, model, ids, new_tokens: int, max_length: int, mark) -> tuple[list[dict], list[dict], float]:
+        head = model.head
+        head_dtype = next(head.parameters()).dtype
+        steps: list[dict] = []
+        with model.remote.inference_session(max_length=max_length, batch_size=ids.shape[0]) as session:
+            chain = [{"peer_id": span.peer_id, "name": span.record.public_name, "start": span.start, "end": span.end}
+                     for span in session.spans]
+            tokens = ids
+            began = time.perf_counter()
+            for index in range(new_tokens):
+                kind = "prefill" if index == 0 else "decode"
+                if mark is not None and index <= 1:
+                    mark("start" if index == 0 else "decode")
+                t0 = time.perf_counter()
+                hidden = head.embed(tokens)
+                t1 = time.perf_counter()
+                out = session.step(hidden)
+                t2 = time.perf_counter()
+                tokens = head.logits(out[:, -1:].to(head_dtype)).argmax(-1)
+                t3 = time.perf_counter()
+                steps.append(step_record(kind, hidden, session.last_step, t3 - t0, (t1 - t0) + (t3 - t2)))
+            wall = time.perf_counter() - began
+            if mark is not None:
+                mark("end")
+        return steps, chain, wall
+
+
+def step_record(kind: str, hidden, stats, wall_s: float, head_s: float) -> dict:
+    return {
+        "kind": kind, "tokens": int(hidden.shape[1]), "batch": int(hidden.shape[0]), "wall_s": wall_s, "head_s": head_s,
+        "chain_s": stats.total_s, "client_encode_s": stats.client_encode_s, "client_decode_s": stats.client_decode_s,
+        "client_layout": stats.client_layout, "sent_raw_bytes": stats.sent_raw_bytes, "sent_wire_bytes": stats.sent_wire_bytes,
+        "received_wire_bytes": stats.received_wire_bytes,
+        "reports": [report.model_dump() if report is not None else None for report in stats.reports],
+    }
+
+
+def main() -> None:
+    protocol_out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to the log, never into the protocol
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=os.environ.get("NETBENCH_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    channel = Channel(sys.stdin, protocol_out)
+    workload = Workload(channel)
+    channel.send({"event": "ready", "pid": os.getpid()})
+    while True:
+        command = channel.receive()
+        if command is None or command.get("cmd") == "quit":
+            break
+        name = command.pop("cmd", None)
+        try:
+            if name not in COMMANDS:
+                raise ValueError(f"unknown command {name!r}; expected one of {', '.join(COMMANDS)}")
+            result = getattr(workload, name)(**command)
+            channel.send({"event": "result", "cmd": name, "result": result})
+        except Exception as error:  # reported to the harness, which decides
+            logger.exception("command %s failed", name)
+            channel.send({"event": "error", "cmd": name, "error": f"{type(error).__name__}: {error}"})
+    if workload.dht is not None:
+        workload.dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()
