@@ -79,7 +79,8 @@ class _GetRecords:
         self.keys = keys
 
     async def __call__(self, dht: hivemind.DHT, node: DHTNode) -> dict[str, dict[str, Any]]:
-        found = await node.get_many(self.keys, return_futures=False)
+        # latest: merge the subkeys (servers) of every replica reached, not only the first unexpired copy
+        found = await node.get_many(self.keys, sufficient_expiration_time=float("inf"), return_futures=False)
         raw: dict[str, dict[str, Any]] = {}
         for key, item in found.items():
             if item is not None and isinstance(item.value, dict):
