@@ -42,7 +42,7 @@ class StepStats:
     sent_wire_bytes: int = 0
     received_wire_bytes: int = 0
     total_s: float = 0.0
-    reports: list[HopReport | None] = field(default_factory=list)
+    reports: list[HopReport] = field(default_factory=list)  # one per server, in chain order
 
 
 class InferenceSession:
@@ -172,7 +172,7 @@ class InferenceSession:
         encoded = encode_tensors(tensors, self.policy_for(chain[0].span.peer_id, chain[0].span.record))
         await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=header), encoded.frames))
         stats = StepStats(client_encode_s=encoded.seconds, client_layout=encoded.layout, sent_raw_bytes=encoded.raw_bytes,
-                          sent_wire_bytes=encoded.wire_bytes, reports=[None] * len(chain))
+                          sent_wire_bytes=encoded.wire_bytes)
         output = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, stats)
         stats.total_s = time.perf_counter() - began
         self.last_step = stats
@@ -203,12 +203,11 @@ class InferenceSession:
                 continue
             if message.kind == MessageKind.ERROR:
                 self._raise_error(chain, index, message)
-            if stats is not None and message.report is not None:
-                stats.reports[index] = message.report
             if message.kind == MessageKind.ACK:
                 acked.add(index)
             if message.kind == want and index == len(chain) - 1:
                 if stats is not None:
+                    stats.reports = list(message.reports)
                     stats.client_decode_s = time.perf_counter() - received
                     stats.received_wire_bytes = sum(len(frame.buffer) for frame in item.tensors)
                 return tensors.get("hidden")

@@ -85,6 +85,7 @@ class StepHeader(BaseModel):
     batch_offset: int = Field(0, ge=0)
     route: tuple[Hop, ...] = ()
     reply: bool = True
+    reports: tuple[HopReport, ...] = ()  # what the servers before this one did with the step
 
 
 class Message(BaseModel):
@@ -102,7 +103,7 @@ class Message(BaseModel):
     error_kind: ErrorKind | None = None
     failed_peer: str | None = None
     info: dict[str, Any] | None = None
-    report: HopReport | None = None
+    reports: tuple[HopReport, ...] = ()  # per server of the chain so far, in chain order
     codecs: tuple[str, ...] | None = None  # layouts the sender accepts in the reply (forward requests)
 
 

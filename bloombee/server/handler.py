@@ -171,7 +171,7 @@ class BlockServicer(ServicerBase):
             yield await self._handle(session, item)
 
     async def _handle(self, session: Session, envelope: Envelope) -> Envelope:
-        """Run one message of a session; the client gets the output (last server) or an ack with a report."""
+        """Run one message of a session; the client gets the output (last server, with every server's report) or an ack."""
         step_id = None
         try:
             message = Message.model_validate_json(envelope.metadata)
@@ -189,13 +189,15 @@ class BlockServicer(ServicerBase):
         except Exception as error:
             logger.exception("Step %s of session %s failed", step_id, session.session_id)
             return error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", step_id)
+        reports = header.reports + (report,)
         if next_hop is not None:
-            failure = await self._push(session, header, encoded)
+            failure = await self._push(session, header.model_copy(update={"reports": reports}), encoded)
             if failure is not None:
                 return failure
+            reports = (report,)
         elif header.reply:
-            return envelope_of(Message(kind=MessageKind.OUTPUT, step_id=step_id, report=report), encoded.frames)
-        return pack(Message(kind=MessageKind.ACK, step_id=step_id, report=report))
+            return envelope_of(Message(kind=MessageKind.OUTPUT, step_id=step_id, reports=reports), encoded.frames)
+        return pack(Message(kind=MessageKind.ACK, step_id=step_id, reports=reports))
 
     def _compute_step(self, session: Session, envelope: Envelope, header: StepHeader,
                       policy: CompressionPolicy) -> tuple[EncodedTensors | None, HopReport]:
