@@ -188,35 +188,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("client joined as %s; %d blocks, %s", info["peer_id"], info["num_blocks"], info["dtype"])
         meta["dtype_resolved"] = info["dtype"]
         for index, (group_configs, group_envs) in enumerate(server_groups(configs, envs)):
-            names = {config.name: [f"{node}.g{index}c{ci}" for node in server_nodes] for ci, config in enumerate(group_configs)}
-            for config in group_configs:
-                for name, node, blocks in zip(names[config.name], server_nodes, ranges):
-                    advertised = (group_envs[0].advertised_mbps(node, nodes, UNSHAPED_ADVERTISED_MBPS)
-                                  if config.bandwidth_sensitive else FIXED_ADVERTISED_MBPS)
-                    swarm.start_server(name, node, blocks, config.server_args(), args.dtype, advertised, server_threads)
-            try:
-                _wait_online(worker, swarm, [n for group in names.values() for n in group], args.startup_timeout)
-                logger.info("servers %s online after %.1f s", sorted(n for group in names.values() for n in group),
-                            time.monotonic() - began)
-                background = measure_background(topology, args.background_s)
-                for env in group_envs:
-                    topology.apply(env)
-                    for repeat in range(args.repeats):
-                        order = group_configs if repeat % 2 == 0 else list(reversed(group_configs))
-                        for config in order:
-                            rep = run_with_retries(args, topology, swarm, worker, env, config, names, nodes)
-                            record = records.setdefault((env.name, config.name), new_record(
-                                args, env, config, nodes, topology, rep, names[config.name], meta, background))
-                            record["repeats"].append(rep["repeat"])
-                            record["failed_attempts"] = record.get("failed_attempts", []) + rep["failed_attempts"]
-                    for config in group_configs:
-                        record = records[(env.name, config.name)]
-                        record["summary"] = metrics.summarize(record)
-                        (out_dir / "runs" / f"{config.name}-{env.name}.json").write_text(
-                            json.dumps(report.clean_json(record), indent=1))
-                        log_summary(record["summary"])
-            finally:
-                swarm.stop_servers()
+            run_group(args, index, group_configs, group_envs, topology, swarm, worker, nodes, ranges, server_threads,
+                      meta, records, out_dir)
     except (KeyboardInterrupt, Interrupted) as error:
         logger.error("interrupted: tearing down")
         meta["incomplete"] = f"interrupted ({error or 'SIGINT'})"
@@ -248,6 +221,42 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     return {"meta": meta, "summaries": summaries, "out_dir": str(out_dir), "outputs": outputs}
 
 
+def run_group(args, index: int, group_configs: list[knobs.Configuration], group_envs: list[presets.Environment],
+              topology: netns.Topology, swarm, worker, nodes: list[str], ranges: list[tuple[int, int]], server_threads: int,
+              meta: dict, records: dict[tuple[str, str], dict], out_dir: Path) -> None:
+    """Start one server set per configuration of the group, run every environment x repeat x configuration,
+    write each (configuration, environment)'s record as soon as it is complete, stop the servers."""
+    server_nodes = nodes[1:]
+    names = {config.name: [f"{node}.g{index}c{ci}" for node in server_nodes] for ci, config in enumerate(group_configs)}
+    everyone = [name for group in names.values() for name in group]
+    for config in group_configs:
+        for name, node, blocks in zip(names[config.name], server_nodes, ranges):
+            advertised = (group_envs[0].advertised_mbps(node, nodes, UNSHAPED_ADVERTISED_MBPS)
+                          if config.bandwidth_sensitive else FIXED_ADVERTISED_MBPS)
+            swarm.start_server(name, node, blocks, config.server_args(), args.dtype, advertised, server_threads)
+    try:
+        _wait_online(worker, swarm, everyone, args.startup_timeout)
+        logger.info("servers %s online", sorted(everyone))
+        background = measure_background(topology, args.background_s)
+        for env in group_envs:
+            topology.apply(env)
+            for repeat in range(args.repeats):
+                order = group_configs if repeat % 2 == 0 else list(reversed(group_configs))
+                for config in order:
+                    rep = run_with_retries(args, topology, swarm, worker, env, config, names, nodes)
+                    record = records.setdefault((env.name, config.name), new_record(
+                        args, env, config, nodes, topology, rep, names[config.name], meta, background))
+                    record["repeats"].append(rep["repeat"])
+                    record["failed_attempts"] = record.get("failed_attempts", []) + rep["failed_attempts"]
+            for config in group_configs:
+                record = records[(env.name, config.name)]
+                record["summary"] = metrics.summarize(record)
+                (out_dir / "runs" / f"{config.name}-{env.name}.json").write_text(json.dumps(report.clean_json(record), indent=1))
+                log_summary(record["summary"])
+    finally:
+        swarm.stop_servers()
+
+
 def server_groups(configs: list[knobs.Configuration], envs: list[presets.Environment]):
     """Server sets started together: every configuration whose servers do not depend on the link runs
     side by side (interleaved per repeat, so that a busy moment of the machine hits them alike);
@@ -271,12 +280,12 @@ def _wait_online(worker, swarm, names: list[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         swarm.check_servers()
-        try:
-            worker.call("wait_online", timeout=60, names=names, timeout_s=min(20.0, max(deadline - time.monotonic(), 1.0)))
+        left = max(deadline - time.monotonic(), 0.0)
+        missing = worker.call("wait_online", timeout=60, names=names, timeout_s=min(10.0, left))["missing"]
+        if not missing:
             return
-        except Exception as error:
-            if time.monotonic() > deadline or "did not come online" not in str(error):
-                raise
+        if left <= 0:
+            raise TimeoutError(f"servers {missing} did not come online within {timeout:g} s")
 
 
 def measure_background(topology: netns.Topology, seconds: float) -> dict | None:
