@@ -268,7 +268,7 @@ class DictHighLane:
 def lane_bound(t: torch.Tensor) -> float:
     """Order-0 entropy bound (bytes) of a tensor's byte lanes, each lane coded on its own."""
     u8 = _bytes(t).reshape(-1, t.element_size())
-    return sum(u8.shape[0] * byte_entropy(np.ascontiguousarray(u8[:, k]), sample=None) / 8 for k in range(u8.shape[1]))
+    return sum(u8.shape[0] * byte_entropy(np.ascontiguousarray(u8[:, k])) / 8 for k in range(u8.shape[1]))
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -342,7 +342,7 @@ def run_set(name: str, tensors: list[torch.Tensor], levels, repeats: int, dict_t
 
 def lane_entropies(tensors) -> list[float]:
     u8 = np.concatenate([_bytes(t).reshape(-1, t.element_size()) for t in tensors])
-    return [round(byte_entropy(np.ascontiguousarray(u8[:, k]), sample=None), 4) for k in range(u8.shape[1])]
+    return [round(byte_entropy(np.ascontiguousarray(u8[:, k])), 4) for k in range(u8.shape[1])]
 
 
 # ------------------------------------------------------------------------------------- verdicts

@@ -2,18 +2,17 @@
 
 import random
 import struct
-import zlib
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bloombee import codec
 from bloombee.codec import CodecError, decode, encode
-from bloombee.codec.frame import FIXED_SIZE
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32]
 INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -260,35 +259,68 @@ def test_random_byte_flips_raise_codec_error(name):
             decode(bytes(damaged))
 
 
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def split_frame(frame: bytes):
-    """-> (fields dict, payload lanes) of a valid frame, to forge frames with a correct crc."""
-    magic, version, layout, dtype, ndim, nlanes, reserved = struct.unpack_from("<4sBBBBB3s", frame)
-    shape = list(struct.unpack_from(f"<{ndim}Q", frame, FIXED_SIZE))
-    pos = FIXED_SIZE + 8 * ndim
-    lanes = []
-    for _ in range(nlanes):
-        lanes.append(list(struct.unpack_from("<BQ", frame, pos)))
-        pos += 9
+    """-> (fields dict, payload lanes) of a valid frame, to forge frames with a correct checksum.
+
+    Written from the format description in bloombee/codec/frame.py, independently of its code."""
+    magic, version, layout, dtype, ndim, modes = struct.unpack_from("<2sBBBBB", frame)
+    pos = 7
+    shape = []
+    for _ in range(ndim):
+        dim, pos = read_varint(frame, pos)
+        shape.append(dim)
+    whole = layout in (0, 1)  # raw, zstd
+    itemsize = {1: 2, 2: 2, 3: 4, 4: 8, 5: 1, 6: 1, 7: 2, 8: 4, 9: 8, 10: 1}[dtype]
+    nlanes = 1 if whole else itemsize
+    numel = int(np.prod(shape)) if shape else 1
+    sizes = []
+    for k in range(nlanes):
+        if modes >> k & 1:
+            length, pos = read_varint(frame, pos)
+            sizes.append(length)
+        else:
+            sizes.append(numel * (itemsize if whole else 1))
     pos += 4
     payload = []
-    for _, length in lanes:
+    for length in sizes:
         payload.append(frame[pos : pos + length])
         pos += length
-    fields = dict(magic=magic, version=version, layout=layout, dtype=dtype, shape=shape, lanes=lanes, reserved=reserved)
+    assert pos == len(frame)
+    lengths = [n for k, n in enumerate(sizes) if modes >> k & 1]
+    fields = dict(magic=magic, version=version, layout=layout, dtype=dtype, shape=shape, modes=modes, lengths=lengths)
     return fields, payload
 
 
 def forge(fields, payload, fix_lengths=False):
-    lanes = [[m, len(p) if fix_lengths else n] for (m, n), p in zip(fields["lanes"], payload)]
+    zstd_lanes = [p for k, p in enumerate(payload) if fields["modes"] >> k & 1]
+    lengths = [len(p) for p in zstd_lanes] if fix_lengths else fields["lengths"]
     header = struct.pack(
-        "<4sBBBBB3s",
-        fields["magic"], fields["version"], fields["layout"], fields["dtype"],
-        len(fields["shape"]), len(lanes), fields["reserved"],
+        "<2sBBBBB", fields["magic"], fields["version"], fields["layout"], fields["dtype"],
+        len(fields["shape"]), fields["modes"],
     )
-    header += struct.pack(f"<{len(fields['shape'])}Q", *fields["shape"])
-    header += b"".join(struct.pack("<BQ", m, n) for m, n in lanes)
-    crc = zlib.crc32(b"".join(payload), zlib.crc32(header))
-    return header + struct.pack("<I", crc) + b"".join(payload)
+    header += b"".join(map(varint, fields["shape"])) + b"".join(map(varint, lengths))
+    digest = xxhash.xxh3_64(header + b"".join(payload)).intdigest() & 0xFFFFFFFF
+    return header + struct.pack("<I", digest) + b"".join(payload)
 
 
 def test_forge_helper_reproduces_a_valid_frame():
@@ -305,21 +337,21 @@ def forged(name, mutate, fix_lengths=False):
 @pytest.mark.parametrize(
     "name, mutate, message",
     [
-        ("bytesplit", lambda f, p: f.update(magic=b"XXXX"), "magic"),
-        ("bytesplit", lambda f, p: f.update(version=2), "version 2"),
+        ("bytesplit", lambda f, p: f.update(magic=b"XX"), "magic"),
+        ("bytesplit", lambda f, p: f.update(version=3), "version 3"),
         ("bytesplit", lambda f, p: f.update(layout=77), "layout id 77"),
         ("bytesplit", lambda f, p: f.update(dtype=99), "dtype id 99"),
-        ("bytesplit", lambda f, p: f.update(reserved=b"\x01\0\0"), "reserved"),
         ("bytesplit", lambda f, p: f.update(shape=f["shape"] + [1] * 40), "dimensions"),
-        ("bytesplit", lambda f, p: f["shape"].__setitem__(0, 4), "lane"),
-        ("raw", lambda f, p: f["shape"].__setitem__(0, 2), "raw lane holds"),
+        ("bytesplit", lambda f, p: f["shape"].__setitem__(0, 4), "lanes declare"),
+        ("raw", lambda f, p: f["shape"].__setitem__(0, 2), "lanes declare"),
         ("bytesplit", lambda f, p: f.update(shape=[2**40, 2**40]), "decode limit"),
-        ("bytesplit", lambda f, p: f.update(shape=[2**62, 2**62, 0]), "shape|lane"),
-        ("bytesplit", lambda f, p: f.update(dtype=3), "needs 4 lanes"),
-        ("raw", lambda f, p: f["lanes"][0].__setitem__(0, 1), "raw frame has a compressed lane"),
-        ("bytesplit", lambda f, p: f["lanes"][0].__setitem__(0, 7), "lane mode"),
-        ("bytesplit", lambda f, p: f["lanes"][1].__setitem__(1, f["lanes"][1][1] + 5), "Truncated"),
-        ("bytesplit", lambda f, p: f["lanes"][1].__setitem__(1, f["lanes"][1][1] - 5), "Corrupt codec frame"),
+        ("bytesplit", lambda f, p: f.update(shape=[2**62, 2**62, 0]), "decode limit"),
+        ("bytesplit", lambda f, p: f.update(dtype=3), "lanes declare"),
+        ("raw", lambda f, p: f.update(modes=1), "raw frame has a compressed lane"),
+        ("bytesplit", lambda f, p: f.update(modes=f["modes"] | 4), "lane modes"),
+        ("bytesplit", lambda f, p: f["lengths"].__setitem__(0, f["lengths"][0] + 5), "Truncated"),
+        ("bytesplit", lambda f, p: f["lengths"].__setitem__(0, f["lengths"][0] - 5), "Corrupt codec frame"),
+        ("bytesplit", lambda f, p: f["shape"].__setitem__(0, 2**70), "longer than 9 bytes"),
     ],
 )
 def test_forged_headers_with_valid_checksums_are_refused(name, mutate, message):
@@ -379,3 +411,37 @@ def test_bool_frames_holding_other_bytes_are_refused():
     fields, payload = split_frame(data)
     with pytest.raises(CodecError, match="bool"):
         decode(forge(fields, twos(fields, payload)))
+
+
+# ------------------------------------------------------------------------- lane helpers
+
+
+def test_entropy_estimate_tracks_the_exact_entropy():
+    from bloombee.codec.entropy import byte_entropy, estimate_byte_entropy
+
+    rng = np.random.default_rng(0)
+    random_lane = rng.integers(0, 256, 2048, dtype=np.uint8)
+    assert abs(estimate_byte_entropy(random_lane) - 8.0) < 0.05 < 8.0 - byte_entropy(random_lane)
+    skewed = np.minimum(rng.geometric(0.3, 1 << 20), 255).astype(np.uint8)
+    assert abs(estimate_byte_entropy(skewed) - byte_entropy(skewed)) < 0.05
+    assert estimate_byte_entropy(np.zeros(5000, np.uint8)) == 0.0
+    assert estimate_byte_entropy(np.empty(0, np.uint8)) == 0.0
+
+
+@pytest.mark.parametrize("level", [-5, 1, 3, 19])
+def test_lane_compressor_writes_standard_zstd_frames(level):
+    from bloombee.codec.lane_zstd import LaneCompressor
+
+    rng = np.random.default_rng(level + 10)
+    lane = np.minimum(rng.geometric(0.2, 300_000), 255).astype(np.uint8)
+    packed = LaneCompressor(level).compress(lane)
+    assert len(packed) < 0.6 * lane.size  # literals are Huffman-coded even with the search step
+    assert zstandard.frame_content_size(packed) == lane.size
+    assert zstandard.ZstdDecompressor().decompress(packed) == lane.tobytes()
+
+
+def test_header_of_a_small_decode_step_is_small():
+    x = make_tensor(torch.float16, (8, 1, 256), 12, "activations")
+    assert len(encode(x, "raw")) - x.numel() * 2 == 15  # 7 fixed + shape varints 1+1+2 + 4 checksum
+    info = codec.inspect(encode(x, "bytesplit"))
+    assert info.lane_modes == ("raw", "zstd")

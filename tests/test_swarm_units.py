@@ -4,6 +4,7 @@ import hivemind
 import pytest
 from pydantic import ValidationError
 
+from bloombee.codec import CODEC_VERSION
 from bloombee.client.routing import MissingBlocksError, SequenceManager, best_chain, format_ranges
 from bloombee.dht.peers import binds_only_loopback, nat_traversal_enabled, start_dht
 from bloombee.dht.records import ServerRecord, ServerState, announce, block_key, fetch_records
@@ -11,9 +12,11 @@ from bloombee.server.block_selection import block_coverage, choose_start_block, 
 from bloombee.settings import ClientSettings, ServerSettings, load_settings
 
 
-def record(start: int, end: int, throughput: float = 100.0, state: ServerState = ServerState.ONLINE, name: str = "") -> ServerRecord:
+def record(start: int, end: int, throughput: float = 100.0, state: ServerState = ServerState.ONLINE, name: str = "",
+           codec_version: int = CODEC_VERSION) -> ServerRecord:
     return ServerRecord(state=state, start_block=start, end_block=end, throughput=throughput, link_bandwidth=12.5e6,
-                        cache_tokens_left=1000, dtype="float32", device="cpu", version="0.1.0", public_name=name)
+                        cache_tokens_left=1000, dtype="float32", device="cpu", version="0.1.0", public_name=name,
+                        codec_version=codec_version)
 
 
 def cost(per_hop: float = 0.01):
@@ -52,6 +55,13 @@ def test_ban_grows_and_filters_servers():
     manager.ban("x")
     assert manager._bans["x"][1] == 3
     assert not manager.is_usable("x", record(0, 8, state=ServerState.JOINING))
+
+
+def test_servers_of_another_codec_version_are_not_used():
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings())
+    assert manager.is_usable("x", record(0, 8))
+    assert not manager.is_usable("old", record(0, 8, codec_version=CODEC_VERSION - 1))
+    assert not manager.is_usable("unknown", record(0, 8, codec_version=0))
 
 
 def test_allowed_and_blocked_servers():

@@ -8,6 +8,7 @@ from typing import Callable
 
 import hivemind
 
+from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
 from bloombee.settings import ClientSettings
 
@@ -54,6 +55,7 @@ class SequenceManager:
         self._records: list[dict[str, ServerRecord]] = [{} for _ in range(num_blocks)]
         self._updated_at = float("-inf")
         self._bans: dict[str, tuple[float, int]] = {}
+        self._incompatible: set[str] = set()  # servers skipped for another codec version, logged once
         self._lock = threading.Lock()
 
     def update(self, force: bool = False) -> None:
@@ -74,6 +76,12 @@ class SequenceManager:
 
     def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
         if record.state != ServerState.ONLINE or peer_id in self.blocked_servers:
+            return False
+        if record.codec_version != CODEC_VERSION:
+            if peer_id not in self._incompatible:
+                self._incompatible.add(peer_id)
+                logger.warning("Skipping server %s: it speaks codec frame version %s, this client %s (run the same "
+                               "bloombee version on both sides)", peer_id, record.codec_version, CODEC_VERSION)
             return False
         if self.allowed_servers is not None and peer_id not in self.allowed_servers and record.public_name not in self.allowed_servers:
             return False

@@ -5,8 +5,8 @@ Layouts (all lossless, bit-exact, NaN payloads and -0.0 included):
 - ``raw``: the tensor's bytes as they are.
 - ``zstd``: the tensor's bytes through zstd.
 - ``bytesplit``: byte ``k`` of every element goes to lane ``k`` (fp16/bf16: 2 lanes, fp32: 4); each
-  lane is zstd-compressed on its own, except a lane whose sampled entropy is near 8 bits/byte
-  (or that zstd does not shrink), which is stored raw.
+  lane is zstd-compressed on its own (see ``lane_zstd``), except a lane whose sampled entropy is
+  near 8 bits/byte (or that zstd does not shrink), which is stored raw.
 - ``bytesplit_ch``: as ``bytesplit``, but each lane is ordered channel-major (the last dimension
   outermost, i.e. lane viewed as ``[H, rows]``), so one hidden channel's bytes across all tokens
   sit together.
@@ -14,13 +14,8 @@ Layouts (all lossless, bit-exact, NaN payloads and -0.0 included):
   bit (random in activations) becomes the lowest bit of the low lane and the high lane starts at
   the exponent: bf16 and fp32 get their whole 8-bit exponent in one lane.
 
-Lanes are compressed with the level's parameters but ``min_match=7, hash_log=10``: byte lanes of
-activations hold few long repeats, and a small match table that ignores short matches makes zstd
-code them mostly as Huffman literals, which is both faster and (on low-entropy lanes) smaller than
-chasing short matches, while real repeats (e.g. the embeddings of repeated tokens) are still found.
-
-Encoding makes one transposing copy (the lanes) and zstd's output; decoding makes zstd's output
-and one interleaving copy into the result.
+Encoding makes the lanes (one pass that splits, and rotates where asked), zstd's output and the
+frame; decoding makes zstd's output and one interleaving pass into the result.
 """
 
 from __future__ import annotations
@@ -35,20 +30,21 @@ import numpy as np
 import torch
 import zstandard
 
-from .entropy import byte_entropy
+from .entropy import estimate_byte_entropy
 from .frame import (
     CODEC_VERSION,
     DTYPE_IDS,
     LANE_RAW,
     LANE_ZSTD,
     LAYOUTS,
+    WHOLE_TENSOR_LAYOUTS,
     CodecError,
     Header,
-    frame_crc,
-    pack_crc,
+    checksum,
     pack_header,
     parse_header,
 )
+from .lane_zstd import LaneCompressor
 
 logger = logging.getLogger(__name__)
 
@@ -60,33 +56,30 @@ MIN_COMPRESS_BYTES = 256
 MIN_GAIN = 0.02
 # A lane whose sampled order-0 entropy is at least this many bits/byte is stored raw, not zstd'd.
 RAW_LANE_ENTROPY_BITS = 7.9
-# Lanes shorter than this skip the entropy estimate and are simply tried with zstd (zstd gives
-# up on incompressible blocks quickly; the estimate's fixed cost only pays on longer lanes).
-ENTROPY_MIN_LANE = 1 << 16
-# zstd parameters for byte lanes, on top of the level's (see the module docstring).
-# Bytes sampled for that estimate: the plug-in estimate's bias at 16 Ki samples is ~0.011 bits,
-# far below the margin to the threshold, and the histogram costs a fifth of a 64 Ki one.
-ENTROPY_DECISION_SAMPLE = 1 << 14
-LANE_MIN_MATCH = 7
-LANE_HASH_LOG = 10
 # Decoding refuses frames declaring a tensor larger than this (bytes) unless told otherwise.
 DEFAULT_MAX_BYTES = 8 << 30
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_WORD_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size dtypes numpy has
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_WORD_NUMPY = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy twins of _WORD_VIEW
 _tls = threading.local()
 
 
-def _compressor(level: int, lanes: bool = False) -> zstandard.ZstdCompressor:
+def _compressor(level: int, lanes: bool = False):
+    """This thread's compressor for whole tensors (python-zstandard) or for byte lanes."""
     cache = getattr(_tls, "compressors", None)
     if cache is None:
         cache = _tls.compressors = {}
-    cctx = cache.get((level, lanes))
+    key = (level, lanes)
+    cctx = cache.get(key)
     if cctx is None:
-        extra = {"min_match": LANE_MIN_MATCH, "hash_log": LANE_HASH_LOG} if lanes else {}
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level, write_content_size=True, write_checksum=False, **extra
-        )
-        cctx = cache[(level, lanes)] = zstandard.ZstdCompressor(compression_params=params)
+        if lanes:
+            cctx = LaneCompressor(level)
+        else:
+            params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=True, write_checksum=False)
+            cctx = zstandard.ZstdCompressor(compression_params=params)
+        cache[key] = cctx
     return cctx
 
 
@@ -106,6 +99,7 @@ def _check_host() -> None:
 
 
 def _prepare(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense, contiguous CPU tensor holding ``tensor``'s values (no copy when it already is one)."""
     if not isinstance(tensor, torch.Tensor):
         raise CodecError(f"encode() takes a torch.Tensor, not {type(tensor).__name__}.")
     if tensor.dtype not in DTYPE_IDS:
@@ -114,101 +108,94 @@ def _prepare(tensor: torch.Tensor) -> torch.Tensor:
             + ", ".join(str(d).removeprefix("torch.") for d in DTYPE_IDS)
             + "."
         )
-    if tensor.is_meta:
-        raise CodecError("encode() got a meta tensor, which has no data to send.")
-    t = tensor.detach()
-    if t.layout != torch.strided:
-        raise CodecError(f"encode() takes dense tensors, not {t.layout}.")
-    if t.device.type != "cpu":
+    if tensor.layout != torch.strided:
+        raise CodecError(f"encode() takes dense tensors, not {tensor.layout}.")
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if not t.is_cpu:
+        if t.is_meta:
+            raise CodecError("encode() got a meta tensor, which has no data to send.")
         t = t.cpu()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    return t.contiguous()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
 
 
-def _bytes_view(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes as a uint8 [numel, itemsize] numpy view (no copy)."""
-    if t.numel() == 0:
-        return np.empty((0, t.element_size()), dtype=np.uint8)
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8).numpy().reshape(flat.numel(), t.element_size())
+def _words(t: torch.Tensor) -> np.ndarray:
+    """The contiguous tensor's elements as unsigned integers of the same size: a flat numpy view, no copy."""
+    size = t.element_size()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(_WORD_VIEW[size]).numpy().view(_UINT[size]).reshape(-1)
 
 
-def _pack_lane(lane: np.ndarray, level: int, split: bool = True) -> tuple[int, object]:
-    """One contiguous uint8 lane -> (mode, stored buffer). ``split``: a byte lane (entropy check,
-    lane parameters) rather than a whole tensor's bytes."""
-    n = lane.size
-    if n == 0:
+def _pack_lane(lane: np.ndarray, level: int, estimate: bool) -> tuple[int, object]:
+    """One contiguous uint8 byte lane -> (mode, stored buffer). With ``estimate``, a lane whose
+    estimated entropy says zstd cannot shrink it is stored raw without trying."""
+    if lane.size == 0 or (estimate and estimate_byte_entropy(lane) >= RAW_LANE_ENTROPY_BITS):
         return LANE_RAW, lane
-    if split and n >= ENTROPY_MIN_LANE and byte_entropy(lane, ENTROPY_DECISION_SAMPLE) >= RAW_LANE_ENTROPY_BITS:
-        return LANE_RAW, lane
-    packed = _compressor(level, lanes=split).compress(lane)
-    if len(packed) >= n:
+    packed = _compressor(level, lanes=True).compress(lane)
+    if len(packed) >= lane.size:
         return LANE_RAW, lane
     return LANE_ZSTD, packed
 
 
+def _pack_whole(data: np.ndarray, level: int) -> tuple[int, object]:
+    packed = _compressor(level).compress(data) if data.size else b""
+    return (LANE_ZSTD, packed) if 0 < len(packed) < data.size else (LANE_RAW, data)
+
+
 def _lanes_for(layout: str, t: torch.Tensor, level: int) -> list[tuple[int, object]]:
-    u8 = _bytes_view(t)  # [n, itemsize]
+    words = _words(t)
     if layout == "raw":
-        return [(LANE_RAW, u8.reshape(-1))]
+        return [(LANE_RAW, words.view(np.uint8))]
     if layout == "zstd":
-        return [_pack_lane(u8.reshape(-1), level, split=False)]
+        return [_pack_whole(words.view(np.uint8), level)]
     if layout == "bytesplit":
-        lanes = _split(u8)
+        lanes = _split(words)
     elif layout == "bytesplit_rot":
-        lanes = _split(_rotate(u8, left=True))
+        lanes = _split(_rotate_left(words))
     elif layout == "bytesplit_ch":
         h = t.shape[-1] if t.dim() >= 1 else 1
+        size = words.itemsize
+        u8 = words.view(np.uint8).reshape(-1, size)
         rows = u8.shape[0] // h if h else 0
         # [rows, H, itemsize] -> [itemsize, H, rows]: lane k, channel-major; still one copy.
-        lanes = np.ascontiguousarray(u8.reshape(rows, h, u8.shape[1]).transpose(2, 1, 0)).reshape(u8.shape[1], -1)
+        lanes = np.ascontiguousarray(u8.reshape(rows, h, size).transpose(2, 1, 0)).reshape(size, -1)
     else:  # pragma: no cover - resolved before
         raise AssertionError(layout)
-    return [_pack_lane(lanes[k], level) for k in range(lanes.shape[0])]
+    # The top byte (sign and exponent) is nearly always compressible: zstd straight away. Lower
+    # bytes (mantissa) are often near-random: the entropy estimate first.
+    top = lanes.shape[0] - 1
+    return [_pack_lane(lanes[k], level, estimate=k < top) for k in range(lanes.shape[0])]
 
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+def _split(words: np.ndarray) -> np.ndarray:
+    """Flat unsigned words -> contiguous [itemsize, n] uint8 lanes (lane k = byte k, little-endian).
 
-
-def _split(u8: np.ndarray) -> np.ndarray:
-    """[n, itemsize] uint8 -> contiguous [itemsize, n] lanes (lane k = byte k, little-endian).
-
-    Truncating casts of the shifted words run ~3x faster than numpy's strided transpose copy.
+    Shifting the words and truncating them into each lane runs ~4x faster than numpy's strided
+    byte copies.
     """
-    n, size = u8.shape
-    lanes = np.empty((size, n), dtype=np.uint8)
-    if n == 0:
-        return lanes
-    words = u8.reshape(-1).view(_UINT[size])
+    size = words.itemsize
+    lanes = np.empty((size, words.size), dtype=np.uint8)
     np.copyto(lanes[0], words, casting="unsafe")
     for k in range(1, size):
-        np.copyto(lanes[k], words >> (8 * k), casting="unsafe")
+        np.right_shift(words, 8 * k, out=lanes[k], casting="unsafe")
     return lanes
 
 
-def _rotate(u8: np.ndarray, left: bool) -> np.ndarray:
-    """Rotate every element's bits by one ([n, itemsize] uint8 in, new [n, itemsize] uint8 out)."""
-    size = u8.shape[1]
-    if size == 1 or u8.shape[0] == 0:
-        return u8.copy()
-    words = u8.reshape(-1).view(_UINT[size])
-    top = 8 * size - 1
-    if left:
-        out = np.left_shift(words, 1)
-        out |= words >> top
-    else:
-        out = np.right_shift(words, 1)
-        out |= words << top
-    return out.view(np.uint8).reshape(u8.shape)
+def _rotate_left(words: np.ndarray) -> np.ndarray:
+    """Every element's bits rotated left by one (a new array)."""
+    if words.itemsize == 1:
+        return words.copy()
+    out = np.left_shift(words, 1)
+    out |= words >> (8 * words.itemsize - 1)
+    return out
 
 
-def _unrotate_inplace(u8: np.ndarray) -> None:
-    size = u8.shape[1]
-    if size == 1 or u8.shape[0] == 0:
+def _rotate_right_inplace(words: np.ndarray) -> None:
+    if words.itemsize == 1:
         return
-    words = u8.reshape(-1).view(_UINT[size])
-    low = words << (8 * size - 1)
+    low = words << (8 * words.itemsize - 1)
     words >>= 1
     words |= low
 
@@ -216,7 +203,7 @@ def _unrotate_inplace(u8: np.ndarray) -> None:
 def _frame(layout: str, t: torch.Tensor, lanes: list[tuple[int, object]]) -> bytes:
     header = pack_header(layout, t.dtype, tuple(t.shape), [(mode, _nbytes(buf)) for mode, buf in lanes])
     payload = [buf for _, buf in lanes]
-    return b"".join([header, pack_crc(frame_crc(header, payload)), *payload])
+    return b"".join([header, checksum(header, payload), *payload])
 
 
 def _nbytes(buf) -> int:
@@ -225,10 +212,10 @@ def _nbytes(buf) -> int:
 
 def auto_candidates(dtype: torch.dtype, shape: tuple[int, ...]) -> list[str]:
     """Compressing layouts "auto" tries for this tensor, best first (the benchmark decides the order)."""
-    if dtype == torch.float16:
-        return ["bytesplit", "bytesplit_rot", "zstd"]
-    if dtype in _FLOAT_DTYPES:  # bf16, fp32, fp64: the rotation puts the whole exponent in one lane
+    if dtype == torch.bfloat16:  # the rotation puts the whole exponent in one lane: 0.5-1 % smaller
         return ["bytesplit_rot", "bytesplit", "zstd"]
+    if dtype in _FLOAT_DTYPES:  # fp16: rotation never smaller; fp32/64: 0.3 % smaller but 1.4x slower
+        return ["bytesplit", "bytesplit_rot", "zstd"]
     if dtype.itemsize > 1:
         return ["zstd", "bytesplit"]
     return ["zstd"]
@@ -236,7 +223,7 @@ def auto_candidates(dtype: torch.dtype, shape: tuple[int, ...]) -> list[str]:
 
 def _resolve(layout: str, t: torch.Tensor, accepted: Iterable[str] | None) -> tuple[str, bool]:
     """-> (concrete layout, whether it is 'auto' so a raw fallback applies)."""
-    allowed = set(LAYOUTS) if accepted is None else set(accepted) | {"raw"}
+    allowed = LAYOUTS if accepted is None else set(accepted) | {"raw"}
     if layout == "auto":
         if t.numel() * t.element_size() < MIN_COMPRESS_BYTES:
             return "raw", False
@@ -308,27 +295,6 @@ def _memoryview(data) -> memoryview:
     return mv
 
 
-def _expected_lane_sizes(h: Header) -> list[int]:
-    n, size = h.numel, h.itemsize
-    if h.layout in ("raw", "zstd"):
-        expected = [n * size]
-    else:
-        expected = [n] * size
-    if len(h.lanes) != len(expected):
-        raise CodecError(
-            f"Corrupt codec frame: layout {h.layout} of {h.dtype} needs {len(expected)} lanes, "
-            f"the frame has {len(h.lanes)}."
-        )
-    if h.layout == "raw" and h.lanes[0][0] != LANE_RAW:
-        raise CodecError("Corrupt codec frame: a raw frame has a compressed lane.")
-    for (mode, length), want in zip(h.lanes, expected):
-        if mode == LANE_RAW and length != want:
-            raise CodecError(
-                f"Corrupt codec frame: a raw lane holds {length} bytes, the declared shape needs {want}."
-            )
-    return expected
-
-
 def _check_zstd_lane(buf: memoryview, want: int) -> None:
     try:
         size = zstandard.frame_content_size(buf)
@@ -353,6 +319,20 @@ def _lane_data(mode: int, buf: memoryview, want: int) -> np.ndarray:
     return np.frombuffer(out, dtype=np.uint8)
 
 
+def _lane_spans(mv: memoryview, h: Header) -> list[tuple[int, memoryview, int]]:
+    """(mode, stored bytes, decoded size) per lane; every zstd lane's declared size checked first."""
+    want = h.lane_size
+    spans = []
+    pos = h.size
+    for mode, length in h.lanes:
+        buf = mv[pos : pos + length]
+        if mode == LANE_ZSTD:
+            _check_zstd_lane(buf, want)
+        spans.append((mode, buf, want))
+        pos += length
+    return spans
+
+
 def decode(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     """Decode one frame into a new CPU tensor; raises CodecError (one sentence) on any problem.
 
@@ -362,58 +342,42 @@ def decode(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     _check_host()
     mv = _memoryview(data)
     h = parse_header(mv, max_bytes)
-    expected = _expected_lane_sizes(h)
-    spans = []
-    pos = h.size
-    for (mode, length), want in zip(h.lanes, expected):
-        buf = mv[pos : pos + length]
-        if mode == LANE_ZSTD:
-            _check_zstd_lane(buf, want)
-        spans.append((mode, buf, want))
-        pos += length
-
+    spans = _lane_spans(mv, h)
     n, size = h.numel, h.itemsize
-    out = np.empty((n, size), dtype=np.uint8)
-    if h.layout in ("raw", "zstd"):
-        mode, buf, want = spans[0]
-        out.reshape(-1)[:] = _lane_data(mode, buf, want)
+    words = np.empty(n, dtype=_UINT[size])
+    if h.layout in WHOLE_TENSOR_LAYOUTS:
+        words.view(np.uint8)[:] = _lane_data(*spans[0])
     elif h.layout in ("bytesplit", "bytesplit_rot"):
-        lanes = [_lane_data(*span) for span in spans]
-        _interleave(out, lanes)
+        _interleave(words, [_lane_data(*span) for span in spans])
         if h.layout == "bytesplit_rot":
-            _unrotate_inplace(out)
+            _rotate_right_inplace(words)
     else:  # bytesplit_ch
         hdim = h.shape[-1] if h.shape else 1
         rows = n // hdim if hdim else 0
-        view = out.reshape(rows, hdim, size)
+        view = words.view(np.uint8).reshape(rows, hdim, size)
         for k, span in enumerate(spans):
             view[:, :, k] = _lane_data(*span).reshape(hdim, rows).T
-    if h.dtype == torch.bool and n and out.max() > 1:
+    if h.dtype == torch.bool and n and words.max() > 1:
         raise CodecError("Corrupt codec frame: a bool tensor holds bytes other than 0 and 1.")
-    return torch.from_numpy(out.reshape(-1)).view(h.dtype).reshape(h.shape)
+    return torch.from_numpy(words.view(_WORD_NUMPY[size])).view(h.dtype).reshape(h.shape)
 
 
-def _interleave(out: np.ndarray, lanes: list[np.ndarray]) -> None:
-    """out[:, k] = lanes[k]: OR-ing shifted lanes into words runs ~2.5x faster than strided copies."""
-    size = len(lanes)
-    if size == 1:
-        out[:, 0] = lanes[0]
+def _interleave(words: np.ndarray, lanes: list[np.ndarray]) -> None:
+    """Byte k of every word = lanes[k]. Two lanes: widening and OR-ing (SIMD) runs ~2.5x faster than
+    strided byte copies; with more lanes the temporaries cost more than the copies save."""
+    if len(lanes) == 2:
+        np.multiply(lanes[1], 256, out=words, dtype=words.dtype)
+        np.bitwise_or(words, lanes[0], out=words)
         return
-    if out.shape[0] == 0:
-        return
-    wide_t = _UINT[size]
-    wide = out.reshape(-1).view(wide_t)
-    np.left_shift(lanes[size - 1], 8 * (size - 1), out=wide, dtype=wide_t)
-    for k in range(size - 2, 0, -1):
-        wide |= np.left_shift(lanes[k], 8 * k, dtype=wide_t)
-    np.bitwise_or(wide, lanes[0], out=wide)
+    u8 = words.view(np.uint8).reshape(words.size, words.itemsize)
+    for k, lane in enumerate(lanes):
+        u8[:, k] = lane
 
 
 def inspect(data, *, verify: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> FrameInfo:
     """Read a frame's header (and, with ``verify``, its checksum) without decoding the tensor."""
     mv = _memoryview(data)
-    h = parse_header(mv, max_bytes, verify_crc=verify)
-    _expected_lane_sizes(h)
+    h = parse_header(mv, max_bytes, verify_checksum=verify)
     return FrameInfo(
         version=CODEC_VERSION,
         layout=h.layout,

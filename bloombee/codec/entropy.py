@@ -1,32 +1,37 @@
-"""Order-0 byte entropy, used to skip zstd on lanes that would not shrink and as the benchmark's bound."""
+"""Order-0 byte entropy: the exact figure (the benchmark's bound) and a cheap estimate that decides
+whether a lane is worth running through zstd."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# Lanes longer than this are estimated from an evenly strided sample of about this many bytes.
-# The plug-in estimate's downward bias at 64 Ki samples is (255 / (2 * 65536 * ln 2)) ≈ 0.003 bits.
-ENTROPY_SAMPLE = 1 << 16
+# The estimate looks at an evenly strided sample of at most this many bytes.
+ESTIMATE_SAMPLE = 4096
+# c * log2(c) for every count a sample can produce, so that the estimate is two numpy calls.
+_C_LOG2_C = np.zeros(ESTIMATE_SAMPLE + 1)
+_C_LOG2_C[1:] = np.arange(1, ESTIMATE_SAMPLE + 1) * np.log2(np.arange(1, ESTIMATE_SAMPLE + 1))
 
 
-def byte_entropy(buf: np.ndarray, sample: int | None = ENTROPY_SAMPLE) -> float:
-    """Shannon entropy in bits per byte of the byte histogram of ``buf`` (uint8, any shape).
-
-    With ``sample`` set, a lane longer than it is estimated from a strided sample; ``sample=None``
-    counts every byte (exact bound, used by the benchmark).
-    """
-    flat = buf.reshape(-1)
-    if flat.size == 0:
-        return 0.0
-    if sample is not None and flat.size > sample:
-        flat = flat[:: flat.size // sample]
-    counts = np.bincount(flat, minlength=256)
-    return entropy_of_counts(counts)
-
-
-def entropy_of_counts(counts: np.ndarray) -> float:
+def byte_entropy(buf: np.ndarray) -> float:
+    """Shannon entropy in bits per byte of the byte histogram of ``buf`` (uint8, any shape)."""
+    counts = np.bincount(buf.reshape(-1), minlength=256)
     total = counts.sum()
     if total == 0:
         return 0.0
     p = counts[counts > 0] / total
     return float(-(p * np.log2(p)).sum())
+
+
+def estimate_byte_entropy(lane: np.ndarray) -> float:
+    """Order-0 entropy (bits/byte) of a flat uint8 array from a strided sample of it.
+
+    The plug-in estimate of a sample of ``n`` bytes reads low by about ``(K - 1) / (2 n ln 2)`` bits
+    (``K`` byte values seen; 0.09 bits for a random 2 KiB lane); the Miller-Madow term adds that back.
+    """
+    sample = lane[:: max(1, lane.size // ESTIMATE_SAMPLE)][:ESTIMATE_SAMPLE]
+    n = sample.size
+    if n == 0:
+        return 0.0
+    counts = np.bincount(sample, minlength=256)
+    plug_in = np.log2(n) - _C_LOG2_C[counts].sum() / n
+    return float(plug_in + (np.count_nonzero(counts) - 1) / (2 * n * np.log(2)))

@@ -1,36 +1,38 @@
 """The codec's wire format: constants, the dtype and layout tables, header packing and parsing.
 
-Frame, all integers little-endian::
+Frame (version 2), integers little-endian; ``varint`` is unsigned LEB128, at most 9 bytes::
 
-    offset  size      field
-    0       4         magic b"BBAC"
-    4       1         version (CODEC_VERSION)
-    5       1         layout id (LAYOUT_IDS)
-    6       1         dtype id (DTYPE_IDS)
-    7       1         ndim (at most MAX_NDIM)
-    8       1         number of lanes
-    9       3         reserved, must be zero
-    12      8*ndim    shape, one u64 per dimension
-    ..      9*lanes   per lane: mode u8 (LANE_RAW | LANE_ZSTD), stored length u64
-    ..      4         crc32 of every header byte before it and of the whole payload
-    ..      ...       payload: the lanes' stored bytes, back to back, in lane order
+    size      field
+    2         magic b"BB"
+    1         version (CODEC_VERSION)
+    1         layout id (LAYOUT_IDS)
+    1         dtype id (DTYPE_IDS)
+    1         ndim (at most MAX_NDIM)
+    1         lane modes: bit k set = lane k is a zstd frame, clear = lane k is raw bytes
+    varint    shape, one per dimension
+    varint    stored length of each zstd lane, in lane order (a raw lane's length follows from the shape)
+    4         checksum: low 32 bits of the xxh3-64 of every header byte before it and of the payload
+    ...       payload: the lanes' stored bytes, back to back, in lane order
 
-The decoded size of every lane follows from the layout, dtype and shape; nothing in the frame can
-make the decoder allocate more than those declare (and those are checked against a limit first).
+The number of lanes follows from the layout and dtype (one for raw and zstd, one per byte of the
+element for the byte-split layouts), and so does the decoded size of every lane: nothing in a
+frame can make the decoder allocate more than its shape declares, and the shape is checked against
+a limit first. The header of a small activation (a [8, 1, 256] decode step) is 17 bytes.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
-MAGIC = b"BBAC"
-CODEC_VERSION = 1
+MAGIC = b"BB"
+CODEC_VERSION = 2
 MAX_NDIM = 32
+MAX_VARINT_BYTES = 9  # 63 bits: more than any tensor dimension or lane length
 
 # Layout ids are part of the wire format: never renumber, only append.
 LAYOUT_IDS: dict[str, int] = {
@@ -42,6 +44,7 @@ LAYOUT_IDS: dict[str, int] = {
 }
 LAYOUT_NAMES: dict[int, str] = {v: k for k, v in LAYOUT_IDS.items()}
 LAYOUTS: tuple[str, ...] = tuple(LAYOUT_IDS)
+WHOLE_TENSOR_LAYOUTS = ("raw", "zstd")  # one lane holding the tensor's bytes; the others: one lane per byte
 
 # Dtype ids are part of the wire format: never renumber, only append.
 DTYPE_IDS: dict[torch.dtype, int] = {
@@ -61,10 +64,10 @@ DTYPES_BY_ID: dict[int, torch.dtype] = {v: k for k, v in DTYPE_IDS.items()}
 LANE_RAW = 0
 LANE_ZSTD = 1
 
-_FIXED = struct.Struct("<4sBBBBB3s")  # magic, version, layout, dtype, ndim, nlanes, reserved
-_LANE = struct.Struct("<BQ")
-_CRC = struct.Struct("<I")
-FIXED_SIZE = _FIXED.size  # 12
+_FIXED = struct.Struct("<2sBBBBB")  # magic, version, layout, dtype, ndim, lane modes
+_CHECKSUM = struct.Struct("<I")
+FIXED_SIZE = _FIXED.size  # 7
+MIN_FRAME = FIXED_SIZE + _CHECKSUM.size
 
 
 class CodecError(ValueError):
@@ -77,7 +80,7 @@ class Header:
     dtype: torch.dtype
     shape: tuple[int, ...]
     lanes: tuple[tuple[int, int], ...]  # (mode, stored length) per lane
-    size: int  # header length in bytes, crc included
+    size: int  # header length in bytes, checksum included
 
     @property
     def numel(self) -> int:
@@ -87,80 +90,121 @@ class Header:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
-
-def pack_header(layout: str, dtype: torch.dtype, shape: tuple[int, ...], lanes: list[tuple[int, int]]) -> bytes:
-    """Header bytes without the trailing crc (the caller appends it after hashing the payload)."""
-    parts = [
-        _FIXED.pack(MAGIC, CODEC_VERSION, LAYOUT_IDS[layout], DTYPE_IDS[dtype], len(shape), len(lanes), b"\0\0\0"),
-        struct.pack(f"<{len(shape)}Q", *shape),
-    ]
-    parts.extend(_LANE.pack(mode, length) for mode, length in lanes)
-    return b"".join(parts)
+    @property
+    def lane_size(self) -> int:
+        """Decoded bytes of every lane."""
+        return self.numel * (self.itemsize if self.layout in WHOLE_TENSOR_LAYOUTS else 1)
 
 
-def frame_crc(header_wo_crc: bytes, payload: list) -> int:
-    crc = zlib.crc32(header_wo_crc)
+def lane_count(layout: str, dtype: torch.dtype) -> int:
+    return 1 if layout in WHOLE_TENSOR_LAYOUTS else dtype.itemsize
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def pack_header(layout: str, dtype: torch.dtype, shape: tuple[int, ...], lanes: list[tuple[int, int]]) -> bytearray:
+    """Header bytes without the trailing checksum (``checksum`` covers them and the payload)."""
+    modes = 0
+    for k, (mode, _) in enumerate(lanes):
+        if mode == LANE_ZSTD:
+            modes |= 1 << k
+    out = bytearray(_FIXED.pack(MAGIC, CODEC_VERSION, LAYOUT_IDS[layout], DTYPE_IDS[dtype], len(shape), modes))
+    for dim in shape:
+        _put_varint(out, dim)
+    for mode, length in lanes:
+        if mode == LANE_ZSTD:
+            _put_varint(out, length)
+    return out
+
+
+def checksum(header_wo_checksum, payload: list) -> bytes:
+    """The 4 checksum bytes of a frame with this header and payload."""
+    hasher = xxhash.xxh3_64(header_wo_checksum)
     for chunk in payload:
-        crc = zlib.crc32(chunk, crc)
-    return crc
+        hasher.update(chunk)
+    return _CHECKSUM.pack(hasher.intdigest() & 0xFFFFFFFF)
 
 
-def pack_crc(crc: int) -> bytes:
-    return _CRC.pack(crc)
+class _Reader:
+    """Reads varints from a header, raising CodecError when the frame ends first."""
+
+    def __init__(self, mv: memoryview, pos: int):
+        self.mv, self.pos = mv, pos
+
+    def varint(self, what: str) -> int:
+        value = shift = 0
+        for _ in range(MAX_VARINT_BYTES):
+            if self.pos >= len(self.mv):
+                raise CodecError(f"Truncated codec frame: it ends inside the header's {what}.")
+            byte = self.mv[self.pos]
+            self.pos += 1
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+            shift += 7
+        raise CodecError(f"Corrupt codec frame: the header's {what} is longer than {MAX_VARINT_BYTES} bytes.")
 
 
-def parse_header(mv: memoryview, max_bytes: int, verify_crc: bool = True) -> Header:
-    """Parse and validate a frame's header and lengths; checks the crc over the whole frame.
-
-    Raises CodecError naming the first thing wrong. Allocates nothing proportional to the
-    declared tensor size.
-    """
-    total = len(mv)
-    if total < FIXED_SIZE + _CRC.size:
-        raise CodecError(f"Truncated codec frame: {total} bytes is shorter than the smallest valid frame.")
-    magic, version, layout_id, dtype_id, ndim, nlanes, reserved = _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CodecError("Not a codec frame: the magic bytes are wrong (corrupt data, or not produced by bloombee.codec).")
-    if version != CODEC_VERSION:
-        raise CodecError(
-            f"Unsupported codec frame version {version}: this peer decodes version {CODEC_VERSION} only; "
-            "upgrade bloombee on the older side."
-        )
-    if layout_id not in LAYOUT_NAMES:
-        raise CodecError(f"Unknown codec layout id {layout_id}: the sender used a layout this peer does not know.")
-    if dtype_id not in DTYPES_BY_ID:
-        raise CodecError(f"Unknown codec dtype id {dtype_id}: the frame is corrupt or from a newer codec.")
-    if reserved != b"\0\0\0":
-        raise CodecError("Corrupt codec frame: reserved header bytes are not zero.")
-    if ndim > MAX_NDIM:
-        raise CodecError(f"Corrupt codec frame: {ndim} dimensions exceeds the limit of {MAX_NDIM}.")
-    layout = LAYOUT_NAMES[layout_id]
-    dtype = DTYPES_BY_ID[dtype_id]
-    header_size = FIXED_SIZE + 8 * ndim + _LANE.size * nlanes + _CRC.size
-    if total < header_size:
-        raise CodecError(f"Truncated codec frame: {total} bytes cannot hold the {header_size}-byte header it declares.")
-    shape = struct.unpack_from(f"<{ndim}Q", mv, FIXED_SIZE)
+def _check_size(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int) -> None:
     itemsize = dtype.itemsize
     numel = 1
     for dim in shape:
         # Checked one dimension at a time so that huge products never get built.
         if dim and numel > max_bytes // itemsize // dim:
-            numel = None
+            numel = max_bytes + 1
             break
         numel *= dim
-    if numel is None or numel * itemsize > max_bytes:
+    if numel * itemsize > max_bytes:
         raise CodecError(
             f"Codec frame declares a tensor of shape {list(shape)} ({dtype}), larger than the "
             f"{max_bytes}-byte decode limit; raise max_bytes if this tensor is expected."
         )
-    pos = FIXED_SIZE + 8 * ndim
-    lanes = []
-    for _ in range(nlanes):
-        mode, length = _LANE.unpack_from(mv, pos)
-        pos += _LANE.size
-        if mode not in (LANE_RAW, LANE_ZSTD):
-            raise CodecError(f"Corrupt codec frame: unknown lane mode {mode}.")
-        lanes.append((mode, length))
+
+
+def parse_header(mv: memoryview, max_bytes: int, verify_checksum: bool = True) -> Header:
+    """Parse and validate a frame's header and lengths, and (by default) its checksum.
+
+    Raises CodecError naming the first thing wrong. Allocates nothing proportional to the
+    declared tensor size.
+    """
+    total = len(mv)
+    if total < MIN_FRAME:
+        raise CodecError(f"Truncated codec frame: {total} bytes is shorter than the smallest valid frame.")
+    magic, version, layout_id, dtype_id, ndim, modes = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise CodecError("Not a codec frame: the magic bytes are wrong (corrupt data, or not produced by bloombee.codec).")
+    if version != CODEC_VERSION:
+        raise CodecError(
+            f"Unsupported codec frame version {version}: this peer decodes version {CODEC_VERSION} only; "
+            "run the same bloombee version on both sides."
+        )
+    if layout_id not in LAYOUT_NAMES:
+        raise CodecError(f"Unknown codec layout id {layout_id}: the sender used a layout this peer does not know.")
+    if dtype_id not in DTYPES_BY_ID:
+        raise CodecError(f"Unknown codec dtype id {dtype_id}: the frame is corrupt or from a newer codec.")
+    if ndim > MAX_NDIM:
+        raise CodecError(f"Corrupt codec frame: {ndim} dimensions exceeds the limit of {MAX_NDIM}.")
+    layout, dtype = LAYOUT_NAMES[layout_id], DTYPES_BY_ID[dtype_id]
+    nlanes = lane_count(layout, dtype)
+    if modes >> nlanes:
+        raise CodecError(f"Corrupt codec frame: lane modes {modes:#04x} name lanes beyond the {nlanes} of layout {layout}.")
+    if layout == "raw" and modes:
+        raise CodecError("Corrupt codec frame: a raw frame has a compressed lane.")
+    reader = _Reader(mv, FIXED_SIZE)
+    shape = tuple(reader.varint("shape") for _ in range(ndim))
+    _check_size(shape, dtype, max_bytes)
+    lane_bytes = math.prod(shape) * (dtype.itemsize if layout in WHOLE_TENSOR_LAYOUTS else 1)
+    lanes = tuple(
+        (LANE_ZSTD, reader.varint("lane length")) if modes >> k & 1 else (LANE_RAW, lane_bytes) for k in range(nlanes)
+    )
+    header_size = reader.pos + _CHECKSUM.size
+    if total < header_size:
+        raise CodecError(f"Truncated codec frame: {total} bytes cannot hold the {header_size}-byte header it declares.")
     payload = total - header_size
     declared = sum(length for _, length in lanes)
     if declared != payload:
@@ -168,7 +212,6 @@ def parse_header(mv: memoryview, max_bytes: int, verify_crc: bool = True) -> Hea
         raise CodecError(
             f"{kind} codec frame: its lanes declare {declared} payload bytes but {payload} follow the header."
         )
-    (crc,) = _CRC.unpack_from(mv, header_size - _CRC.size)
-    if verify_crc and crc != zlib.crc32(mv[header_size:], zlib.crc32(mv[: header_size - _CRC.size])):
+    if verify_checksum and mv[reader.pos : header_size] != checksum(mv[: reader.pos], [mv[header_size:]]):
         raise CodecError("Corrupt codec frame: checksum mismatch (the bytes were damaged in transit).")
-    return Header(layout=layout, dtype=dtype, shape=tuple(shape), lanes=tuple(lanes), size=header_size)
+    return Header(layout=layout, dtype=dtype, shape=shape, lanes=lanes, size=header_size)

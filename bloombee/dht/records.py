@@ -32,6 +32,7 @@ class ServerRecord(BaseModel):
     device: str
     version: str
     public_name: str = ""
+    codec_version: int = Field(0, description="bloombee.codec frame version this server reads and writes; 0: unknown")
     codecs: tuple[str, ...] = ()
     features: tuple[str, ...] = ()
     maddrs: tuple[str, ...] = ()

@@ -104,6 +104,7 @@ class Server:
             device=self.device.type,
             version=bloombee.__version__,
             public_name=self.public_name,
+            codec_version=codec.CODEC_VERSION,
             codecs=codec.LAYOUTS,
             features=PROTOCOL_FEATURES,
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
