@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bloombee import codec  # noqa: E402
-from bloombee.codec import core  # noqa: E402
+from bloombee.codec import core, lane_zstd  # noqa: E402
 from bloombee.codec.entropy import byte_entropy  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "bloombee" / "assets" / "bloombee-tiny"
@@ -389,7 +389,9 @@ def summary(results: dict, level: int) -> str:
         f"{', '.join(f'{x:.1f}' for x in results['machine']['load_average_at_end'])}; one-core memcpy "
         f"{results['machine']['memcpy_GBps_one_core']:.1f} GB/s. Times are thread CPU time, best of the repeats.",
         f"Codec: version {results['codec']['version']}, level {level}, lane zstd params min_match "
-        f"{results['codec']['lane_min_match']}, hash_log {results['codec']['lane_hash_log']}; auto = {results['codec']['auto']}.",
+        f"{results['codec']['lane_min_match']}, hash_log {results['codec']['lane_hash_log']}, search step "
+        f"{results['codec']['lane_acceleration']}; auto (small tensors) = {results['codec']['auto']}; bf16 tensors of "
+        f"{results['codec']['rotate_bf16_below_bytes']} bytes and more go plain bytesplit.",
         "",
         "Sizes are % of raw (smaller is better); `bound` is the order-0 entropy of the tensor's byte lanes.",
         "",
@@ -466,7 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--quick", action="store_true", help="small sets, 2 repeats (a smoke run)")
     p.add_argument("--from-json", type=Path, help="only redraw the plot and summary from a results file")
     args = p.parse_args(argv)
@@ -525,9 +527,11 @@ def main(argv=None) -> int:
                     "cpu": platform.processor() or platform.machine(), "threads": 1, "cores": os.cpu_count(),
                     "load_average_at_end": os.getloadavg(), "memcpy_GBps_one_core": buf.nbytes / copy_s / 1e9},
         "codec": {"version": codec.CODEC_VERSION, "default_level": codec.DEFAULT_LEVEL,
-                  "lane_min_match": core.LANE_MIN_MATCH, "lane_hash_log": core.LANE_HASH_LOG,
+                  "lane_min_match": lane_zstd.LANE_MIN_MATCH, "lane_hash_log": lane_zstd.LANE_HASH_LOG,
+                  "lane_acceleration": lane_zstd.LANE_ACCELERATION,
                   "raw_lane_entropy_bits": core.RAW_LANE_ENTROPY_BITS,
-                  "auto": {d: core.auto_candidates(getattr(torch, d), (1, 1)) for d in ("float16", "bfloat16", "float32")}},
+                  "auto": {d: core.auto_candidates(getattr(torch, d), (1, 1)) for d in ("float16", "bfloat16", "float32")},
+                  "rotate_bf16_below_bytes": core.ROTATE_BELOW_BYTES},
         "sets": sets,
         "verdicts": {str(l): verdicts(sets, l) for l in args.levels},
     }

@@ -21,6 +21,7 @@ frame; decoding makes zstd's output and one interleaving pass into the result.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 from collections.abc import Iterable
@@ -56,6 +57,12 @@ MIN_COMPRESS_BYTES = 256
 MIN_GAIN = 0.02
 # A lane whose sampled order-0 entropy is at least this many bits/byte is stored raw, not zstd'd.
 RAW_LANE_ENTROPY_BITS = 7.9
+# "auto" rotates bf16 tensors smaller than this (bytesplit_rot): the whole exponent in one lane
+# makes them 0.5-1 % smaller, which decides whether short decode steps come within 3 % of the lane
+# entropy bound. On larger tensors the rotation's three extra passes cost 25-35 % of decode speed
+# and 10-40 % of encode time for the same 0.5 %, so they go plain. fp16 gains nothing from it; fp32
+# gains 0.3 % at the same cost. (benchmarks/results/codec.json)
+ROTATE_BELOW_BYTES = 1 << 20
 # Decoding refuses frames declaring a tensor larger than this (bytes) unless told otherwise.
 DEFAULT_MAX_BYTES = 8 << 30
 
@@ -212,9 +219,9 @@ def _nbytes(buf) -> int:
 
 def auto_candidates(dtype: torch.dtype, shape: tuple[int, ...]) -> list[str]:
     """Compressing layouts "auto" tries for this tensor, best first (the benchmark decides the order)."""
-    if dtype == torch.bfloat16:  # the rotation puts the whole exponent in one lane: 0.5-1 % smaller
+    if dtype == torch.bfloat16 and math.prod(shape) * dtype.itemsize < ROTATE_BELOW_BYTES:
         return ["bytesplit_rot", "bytesplit", "zstd"]
-    if dtype in _FLOAT_DTYPES:  # fp16: rotation never smaller; fp32/64: 0.3 % smaller but 1.4x slower
+    if dtype in _FLOAT_DTYPES:
         return ["bytesplit", "bytesplit_rot", "zstd"]
     if dtype.itemsize > 1:
         return ["zstd", "bytesplit"]
