@@ -3,6 +3,8 @@ whether a lane is worth running through zstd."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # The estimate looks at an evenly strided sample of at most this many bytes.
@@ -28,10 +30,10 @@ def estimate_byte_entropy(lane: np.ndarray) -> float:
     The plug-in estimate of a sample of ``n`` bytes reads low by about ``(K - 1) / (2 n ln 2)`` bits
     (``K`` byte values seen; 0.09 bits for a random 2 KiB lane); the Miller-Madow term adds that back.
     """
-    sample = lane[:: max(1, lane.size // ESTIMATE_SAMPLE)][:ESTIMATE_SAMPLE]
+    sample = lane if lane.size <= ESTIMATE_SAMPLE else lane[:: lane.size // ESTIMATE_SAMPLE][:ESTIMATE_SAMPLE]
     n = sample.size
     if n == 0:
         return 0.0
     counts = np.bincount(sample, minlength=256)
-    plug_in = np.log2(n) - _C_LOG2_C[counts].sum() / n
-    return float(plug_in + (np.count_nonzero(counts) - 1) / (2 * n * np.log(2)))
+    plug_in = math.log2(n) - float(_C_LOG2_C[counts].sum()) / n
+    return plug_in + (np.count_nonzero(counts) - 1) / (2 * n * math.log(2))
