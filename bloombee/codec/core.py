@@ -5,7 +5,7 @@ Layouts (all lossless, bit-exact, NaN payloads and -0.0 included):
 - ``raw``: the tensor's bytes as they are.
 - ``zstd``: the tensor's bytes through zstd.
 - ``bytesplit``: byte ``k`` of every element goes to lane ``k`` (fp16/bf16: 2 lanes, fp32: 4); each
-  lane is zstd-compressed on its own (see ``lane_zstd``), except a lane whose sampled entropy is
+  lane is zstd-compressed on its own (see ``lane_zstd``), except a lane whose estimated entropy is
   near 8 bits/byte (or that zstd does not shrink), which is stored raw.
 - ``bytesplit_ch``: as ``bytesplit``, but each lane is ordered channel-major (the last dimension
   outermost, i.e. lane viewed as ``[H, rows]``), so one hidden channel's bytes across all tokens
@@ -196,9 +196,9 @@ def _split(words: np.ndarray) -> np.ndarray:
 
 
 def _rotate_left(words: np.ndarray) -> np.ndarray:
-    """Every element's bits rotated left by one (a new array)."""
+    """Every element's bits rotated left by one, in a new array (one-byte elements stay as they are)."""
     if words.itemsize == 1:
-        return words.copy()
+        return words
     out = np.left_shift(words, 1)
     out |= words >> (8 * words.itemsize - 1)
     return out
