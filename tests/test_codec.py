@@ -445,3 +445,12 @@ def test_header_of_a_small_decode_step_is_small():
     assert len(encode(x, "raw")) - x.numel() * 2 == 15  # 7 fixed + shape varints 1+1+2 + 4 checksum
     info = codec.inspect(encode(x, "bytesplit"))
     assert info.lane_modes == ("raw", "zstd")
+
+
+def test_auto_rotates_only_small_bf16_tensors_and_never_fp16_or_fp32():
+    small = make_tensor(torch.bfloat16, (8, 1, 2048), 13, "activations")
+    large = make_tensor(torch.bfloat16, (1, 128, 4096), 14, "activations")  # exactly 1 MiB
+    assert codec.inspect(encode(small)).layout == "bytesplit_rot"
+    assert codec.inspect(encode(large)).layout == "bytesplit"
+    for dtype in (torch.float16, torch.float32):
+        assert codec.inspect(encode(make_tensor(dtype, (8, 1, 2048), 15, "activations"))).layout == "bytesplit"
