@@ -1,0 +1,44 @@
+"""Compression forced on for every hop (client -> server, server -> server push, server -> client):
+greedy generation through the swarm still equals the local transformers model token for token."""
+
+import pytest
+import torch
+
+from bloombee import codec
+from swarm_support import client, reference, save_tiny_llama, start_swarm
+
+SERVER_ARGS = ["--dtype", "float32", "--max-length", "96", "--max-batch-size", "4", "--compression", "on"]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "codec-llama")
+    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
+    try:
+        for name, blocks in (("first", "0:4"), ("second", "4:8")):
+            swarm.add_server("--blocks", blocks, *SERVER_ARGS, name=name, wait=False)
+        swarm.wait_online(["first", "second"])
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+def test_every_hop_compressed_and_generation_exact(swarm):
+    model = client(swarm, compression="on")
+    ref = reference(swarm.model)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35], [2, 71, 82, 81, 82, 84]])
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=24, do_sample=False),
+        ref.generate(ids, max_new_tokens=24, do_sample=False),
+    )
+
+    hidden = model.head.embed(ids)
+    with model.remote.inference_session(max_length=16, batch_size=2) as session:
+        for step in (hidden, hidden[:, -1:]):  # a prompt step, then a decode step
+            out = session.step(step)
+            stats = session.last_step
+            compressed = codec.auto_candidates(torch.float32, tuple(step.shape))
+            assert stats.client_layout in compressed and stats.sent_wire_bytes < stats.sent_raw_bytes
+            assert [report.layout in compressed for report in stats.reports] == [True, True]
+            assert all(report.wire_bytes < report.raw_bytes for report in stats.reports)
+            assert out.shape == step.shape
