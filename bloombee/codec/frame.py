@@ -93,11 +93,16 @@ class Header:
     @property
     def lane_size(self) -> int:
         """Decoded bytes of every lane."""
-        return self.numel * (self.itemsize if self.layout in WHOLE_TENSOR_LAYOUTS else 1)
+        return lane_size(self.layout, self.dtype, self.numel)
 
 
 def lane_count(layout: str, dtype: torch.dtype) -> int:
     return 1 if layout in WHOLE_TENSOR_LAYOUTS else dtype.itemsize
+
+
+def lane_size(layout: str, dtype: torch.dtype, numel: int) -> int:
+    """Decoded bytes of each lane: the whole tensor, or one byte per element."""
+    return numel * dtype.itemsize // lane_count(layout, dtype)
 
 
 def _put_varint(out: bytearray, value: int) -> None:
@@ -198,7 +203,7 @@ def parse_header(mv: memoryview, max_bytes: int, verify_checksum: bool = True) -
     reader = _Reader(mv, FIXED_SIZE)
     shape = tuple(reader.varint("shape") for _ in range(ndim))
     _check_size(shape, dtype, max_bytes)
-    lane_bytes = math.prod(shape) * (dtype.itemsize if layout in WHOLE_TENSOR_LAYOUTS else 1)
+    lane_bytes = lane_size(layout, dtype, math.prod(shape))
     lanes = tuple(
         (LANE_ZSTD, reader.varint("lane length")) if modes >> k & 1 else (LANE_RAW, lane_bytes) for k in range(nlanes)
     )
