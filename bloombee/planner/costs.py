@@ -143,25 +143,35 @@ class StepModel:
         scalar = blocks.ndim == 1
         l = blocks.astype(np.float64).reshape(self.num_nodes, -1)
         col = (slice(None), None)
-        weights = l * self.weight_bytes
-        kv = l * self.kv_block
-        free = self.gpu_bytes[col] - self.workspace[col] - weights
-        with np.errstate(divide="ignore", invalid="ignore"):
-            alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
+        weights, kv, free, alpha = self._memory(l)
         host_used = alpha * kv
         gpu_used = weights + self.workspace[col] + (1.0 - alpha) * kv
         status = np.full(l.shape, STATUS_OK, dtype=np.int8)
         status[host_used > self.host_bytes[col]] = STATUS_HOST
         status[free < 0] = STATUS_GPU
         status[l == 0] = STATUS_OK
-        per_block = self.t_mlp[col] + (1.0 - alpha) * self.t_attn_gpu[col] + alpha * self.t_attn_cpu[col]
-        comp = np.where(status == STATUS_OK, l * per_block, np.inf)
+        comp = np.where(status == STATUS_OK, l * self._per_block(alpha), np.inf)
         comp[l == 0] = 0.0
         alpha = np.where(l == 0, 0.0, alpha)
         out = StageArrays(blocks=l, alpha=alpha, comp=comp, gpu_used=gpu_used, host_used=host_used, status=status)
         if scalar:
             out = StageArrays(**{k: v[:, 0] for k, v in out.__dict__.items()})
         return out
+
+    def _memory(self, l: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(weights, kv, free GPU bytes, offloaded KV fraction alpha) of node j holding l[j, ...] blocks."""
+        col = (slice(None), None)
+        weights = l * self.weight_bytes
+        kv = l * self.kv_block
+        free = self.gpu_bytes[col] - self.workspace[col] - weights
+        with np.errstate(divide="ignore", invalid="ignore"):
+            alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
+        return weights, kv, free, alpha
+
+    def _per_block(self, alpha: np.ndarray) -> np.ndarray:
+        """T_comp of one block at offload fraction alpha (MLP on GPU, attention split GPU/CPU)."""
+        col = (slice(None), None)
+        return self.t_mlp[col] + (1.0 - alpha) * self.t_attn_gpu[col] + alpha * self.t_attn_cpu[col]
 
     def table(self) -> StageArrays:
         """``stage_arrays`` for every node and every block count 0..L: arrays of shape (N, L + 1)."""
@@ -224,16 +234,10 @@ class StepModel:
         it does not fit), computed exactly as ``stage_arrays`` does; caps[j] = the most blocks j holds."""
         if self._comp_table is None:
             l = np.arange(self.num_blocks + 1, dtype=np.float64)[None, :]
-            col = (slice(None), None)
-            weights = l * self.weight_bytes
-            kv = l * self.kv_block
-            free = self.gpu_bytes[col] - self.workspace[col] - weights
-            with np.errstate(divide="ignore", invalid="ignore"):
-                alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
-            fits = (free >= 0) & ~(alpha * kv > self.host_bytes[col])
+            _, kv, free, alpha = self._memory(l)
+            fits = (free >= 0) & ~(alpha * kv > self.host_bytes[:, None])
             fits[:, 0] = True
-            per_block = self.t_mlp[col] + (1.0 - alpha) * self.t_attn_gpu[col] + alpha * self.t_attn_cpu[col]
-            comp = np.where(fits, l * per_block, np.inf)
+            comp = np.where(fits, l * self._per_block(alpha), np.inf)
             comp[:, 0] = 0.0
             caps = np.argmin(np.concatenate([fits, np.zeros((self.num_nodes, 1), bool)], axis=1), axis=1) - 1
             self._comp_table = (comp, caps)
