@@ -17,8 +17,7 @@ Methods (each tensor compressed on its own, one thread):
 - expmant-L: ZipNN's split, exponent bits in one stream and sign+mantissa bits in another, zstd each;
 - bytesplit-L: ours (one lane per byte, near-random lanes stored raw), through bloombee.codec;
 - bytesplit_rot-L: ours with each element's bits rotated left by one first (sign to the low lane,
-  exponent aligned to the high lane; an extra layout); bytesplit_ch-L: channel-major lanes (another
-  extra layout); auto: what codec "auto" sends;
+  exponent aligned to the high lane; an extra layout); auto: what codec "auto" sends;
 - dict-L (decode sets only): bytesplit whose high lane uses a zstd dictionary trained on the first
   half of the set's tensors, measured on the second half (an experiment, not a codec layout).
 The bound is the order-0 entropy of each tensor's byte lanes, summed (what an ideal per-lane
@@ -320,7 +319,7 @@ def run_set(name: str, tensors: list[torch.Tensor], levels, repeats: int, dict_t
     methods = [Codec("raw", None)]
     for lvl in levels:
         methods += [PlainZstd(lvl), ExpMant(lvl)]
-        methods += [Codec(layout, lvl) for layout in ("bytesplit", "bytesplit_rot", "bytesplit_ch")]
+        methods += [Codec(layout, lvl) for layout in ("bytesplit", "bytesplit_rot")]
     methods.append(Codec("auto", None))
     if dict_train:
         methods += [DictHighLane(lvl, dict_train, 16 << 10) for lvl in levels]
@@ -360,7 +359,6 @@ def verdicts(sets: dict, level: int) -> dict:
             "ours_vs_zstd_encode_time": ours["encode_s"] / m[f"zstd-{level}"]["encode_s"],
             "ours_decode_MBps": ours["decode_MBps"],
             "rot_vs_bytesplit_size": m[f"bytesplit_rot-{level}"]["bytes"] / ours["bytes"],
-            "channel_major_vs_bytesplit_size": m[f"bytesplit_ch-{level}"]["bytes"] / ours["bytes"],
             "auto_vs_zstd_size": m["auto"]["bytes"] / m[f"zstd-{level}"]["bytes"],
             "auto_vs_expmant_size": m["auto"]["bytes"] / m[f"expmant-{level}"]["bytes"],
             "auto_vs_bound": m["auto"]["bytes"] / s["lane_entropy_bound_bytes"],
@@ -395,8 +393,8 @@ def summary(results: dict, level: int) -> str:
         "",
         "Sizes are % of raw (smaller is better); `bound` is the order-0 entropy of the tensor's byte lanes.",
         "",
-        "| set | tensor | zstd | expmant (ZipNN) | bytesplit | bytesplit_rot | bytesplit_ch | auto | bound | ours/zstd | ours/expmant | ours/bound | enc time ours/zstd | dec MB/s ours (zstd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| set | tensor | zstd | expmant (ZipNN) | bytesplit | bytesplit_rot | auto | bound | ours/zstd | ours/expmant | ours/bound | enc time ours/zstd | dec MB/s ours (zstd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in results["sets"].items():
         m = s["methods"]
@@ -404,7 +402,7 @@ def summary(results: dict, level: int) -> str:
         pct = lambda k: f"{m[k]['size_pct']:.1f}"  # noqa: E731
         lines.append(
             f"| {name} | {s['shape']} x{s['tensors']} | {pct(f'zstd-{level}')} | {pct(f'expmant-{level}')} | "
-            f"{pct(f'bytesplit-{level}')} | {pct(f'bytesplit_rot-{level}')} | {pct(f'bytesplit_ch-{level}')} | "
+            f"{pct(f'bytesplit-{level}')} | {pct(f'bytesplit_rot-{level}')} | "
             f"{pct('auto')} | {s['lane_entropy_bound_pct']:.1f} | {v['auto_vs_zstd_size']:.3f} | "
             f"{v['auto_vs_expmant_size']:.3f} | {v['auto_vs_bound']:.3f} | {v['auto_vs_zstd_encode_time']:.2f} | "
             f"{m['auto']['decode_MBps']:.0f} ({m[f'zstd-{level}']['decode_MBps']:.0f}) |"
@@ -426,7 +424,7 @@ def plot(sets: dict, level: int, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(sets)
-    methods = [f"zstd-{level}", f"expmant-{level}", f"bytesplit-{level}", f"bytesplit_rot-{level}", f"bytesplit_ch-{level}"]
+    methods = [f"zstd-{level}", f"expmant-{level}", f"bytesplit-{level}", f"bytesplit_rot-{level}"]
     colors = ["#999999", "#d98c3f", "#2b7bb9", "#1a9850", "#7fb8e0"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(16, 0.42 * len(names) + 2.5), gridspec_kw={"width_ratios": [3, 2]})
     y = np.arange(len(names))

@@ -19,7 +19,6 @@ class ServerSettings(BaseModel):
     max_length: int = Field(4096, ge=1, description="longest sequence (prompt + generated) one session may open")
     cache_tokens: int = Field(65536, ge=1, description="KV-cache budget of the server in batch x length tokens")
     session_timeout: float = Field(300.0, gt=0, description="seconds a session may stay idle before its cache is freed")
-    step_timeout: float = Field(60.0, gt=0, description="seconds a session step may wait for its input")
     announce_period: float = Field(5.0, gt=0, description="seconds between DHT announcements")
     rebalance_period: float = Field(60.0, gt=0, description="seconds between checks whether other blocks need us more")
     balance_quality: float = Field(1.25, ge=1.0, description="move to other blocks only if swarm throughput grows by this factor")

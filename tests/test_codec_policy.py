@@ -105,10 +105,12 @@ def test_policy_encode_decode_round_trip_and_learn():
     p = CompressionPolicy("auto", link_bandwidth=1 * MB, accepted=codec.LAYOUTS)
     data = p.encode(x)
     assert codec.inspect(data).layout != "raw"
-    y = p.decode(data)
+    y = codec.decode(data)
     assert torch.equal(y.view(torch.int16), x.view(torch.int16))
     obs = p.report()["estimates"]["observations"]
-    assert obs["encode"] == 1 and obs["decode"] == 1
+    assert obs["encode"] == 1 and obs["decode"] == 0
+    p.adopt_decompress_speed(5e9)
+    assert p.decompress_speed == pytest.approx(5e9) and p.report()["estimates"]["observations"]["decode"] == 1
     assert p.ratio == pytest.approx(codec.inspect(data).ratio)
     fast = CompressionPolicy("auto", link_bandwidth=1e12, probe_every=0)
     assert codec.inspect(fast.encode(x)).layout == "raw"

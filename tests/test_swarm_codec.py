@@ -42,3 +42,22 @@ def test_every_hop_compressed_and_generation_exact(swarm):
             assert [report.layout in compressed for report in stats.reports] == [True, True]
             assert all(report.wire_bytes < report.raw_bytes for report in stats.reports)
             assert out.shape == step.shape
+
+
+def test_receivers_decode_speeds_reach_the_senders_policies(swarm):
+    model = client(swarm, compression="on")
+    hidden = model.head.embed(torch.tensor([[5, 6, 7, 8]]))
+    with model.remote.inference_session(max_length=16, batch_size=1) as session:
+        session.step(hidden)
+        session.step(hidden[:, -1:])
+        first, second = session.spans
+    # the client's policy for each server holds that server's own decode speed, from its hop report
+    for span in (first, second):
+        assert model.remote.policy_for(span.peer_id, span.record).measured_decompress_speed > 0
+    # the first server's push policy for the second adopted the second's speed, which the step's route carried
+    links = model.remote.server_info(first.peer_id)["links"]
+    push = links[second.peer_id]["estimates"]
+    assert push["observations"]["decode"] >= 1 and push["decompress_speed"] > 0
+    # and the last server's reply policy adopted the client's own decode speed, carried by the step header
+    reply = model.remote.server_info(second.peer_id)["links"][model.remote.p2p.peer_id.to_base58()]["estimates"]
+    assert reply["observations"]["decode"] >= 1

@@ -4,19 +4,20 @@ import hivemind
 import pytest
 from pydantic import ValidationError
 
-from bloombee.codec import CODEC_VERSION
 from bloombee.client.routing import MissingBlocksError, SequenceManager, best_chain, format_ranges
+from bloombee.codec import CODEC_VERSION
 from bloombee.dht.peers import binds_only_loopback, nat_traversal_enabled, start_dht
 from bloombee.dht.records import ServerRecord, ServerState, announce, block_key, fetch_records
+from bloombee.protocol import PROTOCOL_FEATURES, REQUIRED_FEATURES
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.settings import ClientSettings, ServerSettings, load_settings
 
 
 def record(start: int, end: int, throughput: float = 100.0, state: ServerState = ServerState.ONLINE, name: str = "",
-           codec_version: int = CODEC_VERSION) -> ServerRecord:
+           codec_version: int = CODEC_VERSION, features: tuple[str, ...] = PROTOCOL_FEATURES) -> ServerRecord:
     return ServerRecord(state=state, start_block=start, end_block=end, throughput=throughput, link_bandwidth=12.5e6,
                         cache_tokens_left=1000, dtype="float32", device="cpu", version="0.1.0", public_name=name,
-                        codec_version=codec_version)
+                        codec_version=codec_version, features=features)
 
 
 def cost(per_hop: float = 0.01):
@@ -62,6 +63,18 @@ def test_servers_of_another_codec_version_are_not_used():
     assert manager.is_usable("x", record(0, 8))
     assert not manager.is_usable("old", record(0, 8, codec_version=CODEC_VERSION - 1))
     assert not manager.is_usable("unknown", record(0, 8, codec_version=0))
+
+
+def test_servers_lacking_a_required_protocol_feature_are_not_used(caplog):
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings())
+    without_history = tuple(feature for feature in PROTOCOL_FEATURES if feature != "history")
+    with caplog.at_level("WARNING"):
+        assert not manager.is_usable("old", record(0, 8, features=without_history))
+        assert not manager.is_usable("old", record(0, 8, features=without_history))
+    assert [r.getMessage() for r in caplog.records if "history" in r.getMessage()] == [
+        "Skipping server old: it does not announce the protocol features history (run the same bloombee version on both sides)"]
+    assert not manager.is_usable("bare", record(0, 8, features=()))
+    assert manager.is_usable("new", record(0, 8, features=REQUIRED_FEATURES))
 
 
 def test_allowed_and_blocked_servers():

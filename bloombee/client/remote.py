@@ -5,7 +5,6 @@ import logging
 
 import hivemind
 import torch
-from hivemind.p2p import PeerID
 
 from bloombee.client.loop import run_sync
 from bloombee.client.routing import SequenceManager
@@ -13,8 +12,8 @@ from bloombee.client.session import InferenceSession
 from bloombee.client.spans import RequestRejected
 from bloombee.codec import LAYOUTS, CompressionPolicy
 from bloombee.protocol import ErrorKind, Message, MessageKind, pack, unpack
+from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import single
-from bloombee.server.handler import BlockServicer
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class RemoteSequential:
 
     def server_info(self, peer_id: str) -> dict:
         """What a server says about itself (its record, open sessions, cache left)."""
-        stub = BlockServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        stub = block_service_stub(self.p2p, peer_id)
         reply = run_sync(stub.rpc_info(pack(Message(kind=MessageKind.INFO)), timeout=self.settings.request_timeout))
         return Message.model_validate_json(reply.metadata).info
 
@@ -78,7 +77,7 @@ class RemoteSequential:
         tensors = {"hidden": hidden} if token_mask is None else {"hidden": hidden, "token_mask": token_mask.to(torch.bool)}
         message = Message(kind=MessageKind.FORWARD, start_block=span.start, end_block=span.end, codecs=LAYOUTS)
         request = pack(message, tensors, self.policy_for(span.peer_id, span.record))
-        stub = BlockServicer.get_stub(self.p2p, PeerID.from_base58(span.peer_id))
+        stub = block_service_stub(self.p2p, span.peer_id)
         responses = await stub.rpc_forward(single(request))
         reply = await asyncio.wait_for(anext(aiter(responses), None), self.settings.request_timeout)
         if reply is None:

@@ -10,6 +10,7 @@ import hivemind
 
 from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
+from bloombee.protocol import REQUIRED_FEATURES
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class SequenceManager:
         self._records: list[dict[str, ServerRecord]] = [{} for _ in range(num_blocks)]
         self._updated_at = float("-inf")
         self._bans: dict[str, tuple[float, int]] = {}
-        self._incompatible: set[str] = set()  # servers skipped for another codec version, logged once
+        self._incompatible: set[str] = set()  # servers skipped as incompatible, logged once
         self._lock = threading.Lock()
 
     def update(self, force: bool = False) -> None:
@@ -77,11 +78,11 @@ class SequenceManager:
     def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
         if record.state != ServerState.ONLINE or peer_id in self.blocked_servers:
             return False
-        if record.codec_version != CODEC_VERSION:
+        problem = incompatibility(record)
+        if problem is not None:
             if peer_id not in self._incompatible:
                 self._incompatible.add(peer_id)
-                logger.warning("Skipping server %s: it speaks codec frame version %s, this client %s (run the same "
-                               "bloombee version on both sides)", peer_id, record.codec_version, CODEC_VERSION)
+                logger.warning("Skipping server %s: %s (run the same bloombee version on both sides)", peer_id, problem)
             return False
         if self.allowed_servers is not None and peer_id not in self.allowed_servers and record.public_name not in self.allowed_servers:
             return False
@@ -108,6 +109,16 @@ class SequenceManager:
         transfer = self.hidden_size * ACTIVATION_BYTES_PER_VALUE / record.link_bandwidth
         compute = num_blocks / max(record.throughput, 1e-9)
         return self.settings.hop_penalty_seconds + transfer + compute
+
+
+def incompatibility(record: ServerRecord) -> str | None:
+    """Why this client cannot use a server (codec version, protocol features it lacks), or None."""
+    if record.codec_version != CODEC_VERSION:
+        return f"it speaks codec frame version {record.codec_version}, this client {CODEC_VERSION}"
+    missing = [feature for feature in REQUIRED_FEATURES if feature not in record.features]
+    if missing:
+        return f"it does not announce the protocol features {', '.join(missing)}"
+    return None
 
 
 def best_chain(servers: dict[str, ServerRecord], start: int, end: int,

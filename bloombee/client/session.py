@@ -13,6 +13,7 @@ from bloombee.client.loop import run_sync
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
+from bloombee.codec.policy import Ewma
 from bloombee.dht.records import ServerRecord
 from bloombee.protocol import (
     ErrorKind,
@@ -67,6 +68,7 @@ class InferenceSession:
         self.recoveries = 0
         self.last_step: StepStats | None = None
         self._step_id = 0
+        self._own_decode_speed = Ewma(0.2, None)  # raw bytes/s this client decodes replies at
         self._events: asyncio.Queue | None = None
         self._closed = False
 
@@ -164,19 +166,38 @@ class InferenceSession:
         began = time.perf_counter()
         step_id = self._next_step_id()
         route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
-                          link_bandwidth=stream.span.record.link_bandwidth) for stream in chain[1:])
-        header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply)
+                          link_bandwidth=stream.span.record.link_bandwidth,
+                          decode_speed=self._policy(stream).measured_decompress_speed) for stream in chain[1:])
+        header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
+                            reply_decode_speed=self._own_decode_speed.value)
         tensors = {"hidden": hidden}
         if not bool(mask.all()):
             tensors["token_mask"] = mask
-        encoded = encode_tensors(tensors, self.policy_for(chain[0].span.peer_id, chain[0].span.record))
+        encoded = encode_tensors(tensors, self._policy(chain[0]))
         await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=header), encoded.frames))
         stats = StepStats(client_encode_s=encoded.seconds, client_layout=encoded.layout, sent_raw_bytes=encoded.raw_bytes,
                           sent_wire_bytes=encoded.wire_bytes)
         output = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, stats)
         stats.total_s = time.perf_counter() - began
         self.last_step = stats
+        if reply:
+            self._learn_decode_speeds(chain, stats)
         return output
+
+    def _policy(self, stream: SpanStream) -> CompressionPolicy:
+        return self.policy_for(stream.span.peer_id, stream.span.record)
+
+    def _learn_decode_speeds(self, chain: list[SpanStream], stats: StepStats) -> None:
+        """Each server's report times its decode of what the hop before it sent: feed that to the senders' policies."""
+        if len(stats.reports) != len(chain):
+            return
+        sent = [(stats.client_layout, stats.sent_raw_bytes)] + [(r.layout, r.raw_bytes) for r in stats.reports]
+        for stream, report, (layout, raw_bytes) in zip(chain, stats.reports, sent):
+            if layout != "raw" and report.decode_s > 0:
+                self._policy(stream).observe_decode(raw_bytes, report.decode_s)
+        layout, raw_bytes = sent[-1]
+        if layout != "raw" and stats.client_decode_s > 0:
+            self._own_decode_speed.update(raw_bytes / stats.client_decode_s)
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, stats: StepStats | None = None):
         """Wait for message `want` of `step_id` from the last server of `chain`; raise ServerFailed on any failure."""

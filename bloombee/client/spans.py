@@ -5,13 +5,13 @@ import logging
 import uuid
 from typing import AsyncIterator
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from bloombee.client.routing import Span
 from bloombee.protocol import ErrorKind, Message, MessageKind, OpenSession, pack
+from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import queue_stream
-from bloombee.server.handler import BlockServicer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class SpanStream:
         request = OpenSession(session_id=self.session_id, start_block=self.span.start, end_block=self.span.end,
                               max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth)
         await self._outbox.put(pack(Message(kind=MessageKind.OPEN, open=request)))
-        stub = BlockServicer.get_stub(p2p, PeerID.from_base58(self.span.peer_id))
+        stub = block_service_stub(p2p, self.span.peer_id)
         responses = await asyncio.wait_for(stub.rpc_inference(queue_stream(self._outbox)), timeout)
         first = await asyncio.wait_for(anext(aiter(responses), None), timeout)
         if first is None:

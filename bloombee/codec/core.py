@@ -7,9 +7,6 @@ Layouts (all lossless, bit-exact, NaN payloads and -0.0 included):
 - ``bytesplit``: byte ``k`` of every element goes to lane ``k`` (fp16/bf16: 2 lanes, fp32: 4); each
   lane is zstd-compressed on its own (see ``lane_zstd``), except a lane whose estimated entropy is
   near 8 bits/byte (or that zstd does not shrink), which is stored raw.
-- ``bytesplit_ch``: as ``bytesplit``, but each lane is ordered channel-major (the last dimension
-  outermost, i.e. lane viewed as ``[H, rows]``), so one hidden channel's bytes across all tokens
-  sit together.
 - ``bytesplit_rot``: as ``bytesplit``, after rotating each element's bits left by one, so the sign
   bit (random in activations) becomes the lowest bit of the low lane and the high lane starts at
   the exponent: bf16 and fp32 get their whole 8-bit exponent in one lane.
@@ -166,13 +163,6 @@ def _lanes_for(layout: str, t: torch.Tensor, level: int) -> list[tuple[int, obje
         lanes = _split(words)
     elif layout == "bytesplit_rot":
         lanes = _split(_rotate_left(words))
-    elif layout == "bytesplit_ch":
-        h = t.shape[-1] if t.dim() >= 1 else 1
-        size = words.itemsize
-        u8 = words.view(np.uint8).reshape(-1, size)
-        rows = u8.shape[0] // h if h else 0
-        # [rows, H, itemsize] -> [itemsize, H, rows]: lane k, channel-major; still one copy.
-        lanes = np.ascontiguousarray(u8.reshape(rows, h, size).transpose(2, 1, 0)).reshape(size, -1)
     else:  # pragma: no cover - resolved before
         raise AssertionError(layout)
     # The top byte (sign and exponent) is nearly always compressible: zstd straight away. Lower
@@ -359,16 +349,10 @@ def decode(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     words = np.empty(n, dtype=_UINT[size])
     if h.layout in WHOLE_TENSOR_LAYOUTS:
         words.view(np.uint8)[:] = _lane_data(*spans[0])
-    elif h.layout in ("bytesplit", "bytesplit_rot"):
+    else:
         _interleave(words, [_lane_data(*span) for span in spans])
         if h.layout == "bytesplit_rot":
             _rotate_right_inplace(words)
-    else:  # bytesplit_ch
-        hdim = h.shape[-1] if h.shape else 1
-        rows = n // hdim if hdim else 0
-        view = words.view(np.uint8).reshape(rows, hdim, size)
-        for k, span in enumerate(spans):
-            view[:, :, k] = _lane_data(*span).reshape(hdim, rows).T
     if h.dtype == torch.bool and n and words.max() > 1:
         raise CodecError("Corrupt codec frame: a bool tensor holds bytes other than 0 and 1.")
     return torch.from_numpy(words.view(_WORD_NUMPY[size])).view(h.dtype).reshape(h.shape)

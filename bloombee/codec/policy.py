@@ -7,8 +7,9 @@ the encode and decode speeds in raw bytes per second). Compression pays iff
     (1 - 1/r) / B  >  1/C + 1/D,        i.e.  B < B* = (1 - 1/r) / (1/C + 1/D).
 
 ``CompressionPolicy`` keeps exponentially weighted averages of ``r``, ``1/C`` and ``1/D`` from the
-encodes and decodes it observes and of ``B`` from observed transfers (seeded by the bandwidth the
-caller gives), and applies the rule per message. Use one policy per link. While it keeps choosing
+encodes it makes and the decodes its receiver reports (the receiver's own speed travels back in
+each step's hop reports), and of ``B`` from observed transfers (seeded by the bandwidth the caller
+gives), and applies the rule per message. Use one policy per link. While it keeps choosing
 raw it still compresses one message in ``probe_every`` so that its estimates follow the traffic.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .core import MIN_COMPRESS_BYTES, decode, encode, inspect
+from .core import MIN_COMPRESS_BYTES, encode
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,9 @@ class Decision:
     probe: bool = False
 
 
-class _Ewma:
+class Ewma:
+    """An exponentially weighted moving average; ``value`` is the prior until the first update."""
+
     __slots__ = ("alpha", "value", "count")
 
     def __init__(self, alpha: float, prior: float | None):
@@ -74,6 +77,9 @@ class _Ewma:
     def update(self, x: float) -> None:
         self.value = x if self.value is None or self.count == 0 else self.value + self.alpha * (x - self.value)
         self.count += 1
+
+    def set(self, x: float) -> None:
+        self.value, self.count = x, max(self.count, 1)
 
 
 class CompressionPolicy:
@@ -112,11 +118,11 @@ class CompressionPolicy:
         self.probe_every = probe_every
         self.min_transfer_bytes = min_transfer_bytes
         self._lock = threading.Lock()
-        self._ratio = _Ewma(alpha, prior_ratio)
-        self._enc_spb = _Ewma(alpha, 1.0 / prior_compress_speed)  # seconds per raw byte
-        self._dec_spb = _Ewma(alpha, 1.0 / prior_decompress_speed)
+        self._ratio = Ewma(alpha, prior_ratio)
+        self._enc_spb = Ewma(alpha, 1.0 / prior_compress_speed)  # seconds per raw byte
+        self._dec_spb = Ewma(alpha, 1.0 / prior_decompress_speed)
         self._bw_given = link_bandwidth
-        self._bw_seen = _Ewma(alpha, None)
+        self._bw_seen = Ewma(alpha, None)
         self._raw_streak = 0
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}
         self._last: Decision | None = None
@@ -133,6 +139,11 @@ class CompressionPolicy:
     @property
     def decompress_speed(self) -> float:
         return 1.0 / self._dec_spb.value
+
+    @property
+    def measured_decompress_speed(self) -> float | None:
+        """The receiver's decode speed once one has been observed or adopted, else None."""
+        return self.decompress_speed if self._dec_spb.count else None
 
     @property
     def bandwidth(self) -> float | None:
@@ -207,6 +218,13 @@ class CompressionPolicy:
         with self._lock:
             self._dec_spb.update(max(seconds, 1e-9) / raw_bytes)
 
+    def adopt_decompress_speed(self, speed: float) -> None:
+        """Take the receiver's own measured decode speed (raw bytes/s) in place of this policy's estimate."""
+        if speed <= 0:
+            raise ValueError("decompress speed must be a positive number of bytes per second.")
+        with self._lock:
+            self._dec_spb.set(1.0 / speed)
+
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         """Record one transfer over this link; transfers under ``min_transfer_bytes`` are latency
         dominated and are ignored for bandwidth."""
@@ -225,15 +243,6 @@ class CompressionPolicy:
         if layout != "raw":
             self.observe_encode(raw_bytes, len(data), time.perf_counter() - start)
         return data
-
-    def decode(self, data) -> torch.Tensor:
-        """decode + observe_decode (for compressed frames) in one call."""
-        start = time.perf_counter()
-        tensor = decode(data)
-        seconds = time.perf_counter() - start
-        if inspect(data, verify=False).layout != "raw":
-            self.observe_decode(tensor.numel() * tensor.element_size(), seconds)
-        return tensor
 
     def report(self) -> dict:
         """What the policy chose last and why, with its current estimates and counts."""

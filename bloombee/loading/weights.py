@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from bloombee.loading.resolve import ModelNotFoundError, resolve_model
+from bloombee.loading.resolve import ModelNotFoundError, load_model_config, resolve_model
 
 logger = logging.getLogger(__name__)
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
-
-
-def load_model_config(name_or_path: str | os.PathLike):
-    """The transformers config of a model (folder, hub id or alias)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(resolve_model(name_or_path, weights=False)))
 
 
 class CheckpointReader:

@@ -2,6 +2,7 @@
 
 from bloombee.protocol.messages import (
     PROTOCOL_FEATURES,
+    REQUIRED_FEATURES,
     EncodedTensors,
     ErrorKind,
     Hop,
@@ -18,6 +19,7 @@ from bloombee.protocol.messages import (
 
 __all__ = [
     "PROTOCOL_FEATURES",
+    "REQUIRED_FEATURES",
     "EncodedTensors",
     "ErrorKind",
     "Hop",

@@ -19,6 +19,8 @@ from bloombee import codec
 from bloombee.codec import CompressionPolicy
 
 PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history")
+# what every client of this version uses; a server that does not announce all of them is not routed to
+REQUIRED_FEATURES = ("push", "explicit_positions", "token_mask", "history")
 
 
 class MessageKind(str, Enum):
@@ -49,6 +51,7 @@ class Hop(BaseModel):
     session_id: str
     codecs: tuple[str, ...] = ()
     link_bandwidth: float | None = None
+    decode_speed: float | None = Field(None, gt=0, description="this server's measured decode speed, raw bytes/s")
 
 
 class HopReport(BaseModel):
@@ -85,6 +88,7 @@ class StepHeader(BaseModel):
     batch_offset: int = Field(0, ge=0)
     route: tuple[Hop, ...] = ()
     reply: bool = True
+    reply_decode_speed: float | None = Field(None, gt=0, description="the client's measured decode speed, raw bytes/s")
     reports: tuple[HopReport, ...] = ()  # what the servers before this one did with the step
 
 

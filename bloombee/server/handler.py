@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 import torch
-from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
 
@@ -26,6 +26,7 @@ from bloombee.protocol import (
     unpack,
 )
 from bloombee.protocol import envelope as envelope_of
+from bloombee.protocol.service import register_block_service
 from bloombee.server.backend import BlockBackend, InvalidStep
 from bloombee.server.push import PushChannel
 from bloombee.server.sessions import Session, SessionRefused, SessionRegistry
@@ -41,7 +42,7 @@ def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None, faile
     return pack(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id, failed_peer=failed_peer))
 
 
-class BlockServicer(ServicerBase):
+class BlockServicer:
     """Serves one block range; one instance per server process, registered on the server's P2P."""
 
     def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict],
@@ -56,7 +57,7 @@ class BlockServicer(ServicerBase):
 
     async def start(self, p2p: P2P) -> None:
         self.p2p, self.peer_id = p2p, p2p.peer_id.to_base58()
-        await self.add_p2p_handlers(p2p)
+        await register_block_service(p2p, self)
 
     async def rpc_info(self, request: Envelope, context: P2PContext) -> Envelope:
         return pack(Message(kind=MessageKind.INFO, info=self._info()))
@@ -74,6 +75,9 @@ class BlockServicer(ServicerBase):
                 yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out}, policy)
             except BAD_INPUT as error:
                 yield error_envelope(ErrorKind.INVALID, str(error))
+            except Exception as error:
+                logger.exception("A forward request failed")
+                yield error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}")
 
     async def rpc_push(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         async for request in requests:
@@ -182,7 +186,7 @@ class BlockServicer(ServicerBase):
             header = message.step
             step_id = header.step_id
             next_hop = header.route[0] if header.route else None
-            policy = self._push_policy(next_hop) if next_hop else self._reply_policy(session)
+            policy = self._push_policy(next_hop) if next_hop else self._reply_policy(session, header.reply_decode_speed)
             encoded, report = await self._run(self._compute_step, session, envelope, header, policy)
         except BAD_INPUT as error:
             return error_envelope(ErrorKind.INVALID, str(error), step_id)
@@ -230,21 +234,29 @@ class BlockServicer(ServicerBase):
 
     def _push_policy(self, hop: Hop) -> CompressionPolicy:
         bandwidth = min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
-        return self._policy(hop.peer_id, bandwidth, hop.codecs)
+        return self._policy(hop.peer_id, bandwidth, hop.codecs, hop.decode_speed)
 
-    def _reply_policy(self, session: Session) -> CompressionPolicy:
+    def _reply_policy(self, session: Session, client_decode_speed: float | None = None) -> CompressionPolicy:
         bandwidth = min(self.link_bandwidth, session.client_bandwidth or self.link_bandwidth)
-        return self._policy(session.client_peer, bandwidth, session.reply_codecs)
+        return self._policy(session.client_peer, bandwidth, session.reply_codecs, client_decode_speed)
 
-    def _policy(self, peer_id: str, bandwidth: float, accepted: tuple[str, ...]) -> CompressionPolicy:
-        """One compression policy per link (peer), refined by what this server observes on it."""
+    def _policy(self, peer_id: str, bandwidth: float, accepted: tuple[str, ...],
+                decode_speed: float | None = None) -> CompressionPolicy:
+        """One compression policy per link (peer), refined by what this server observes on it and by the
+        receiver's decode speed when the step carries it."""
         if peer_id not in self._policies:
             self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth, accepted=accepted or ("raw",))
+        if decode_speed is not None:
+            self._policies[peer_id].adopt_decompress_speed(decode_speed)
         return self._policies[peer_id]
+
+    def link_reports(self) -> dict[str, dict]:
+        """Per peer this server sends to: its compression policy's last decision, estimates and counts."""
+        return {peer_id: policy.report() for peer_id, policy in self._policies.items()}
 
     async def _push(self, session: Session, header: StepHeader, encoded: EncodedTensors) -> Envelope | None:
         hop: Hop = header.route[0]
-        channel = self._channel(session, hop)
+        channel = await self._channel(session, hop)
         next_header = header.model_copy(update={"session_id": hop.session_id, "route": header.route[1:]})
         try:
             await channel.send(envelope_of(Message(kind=MessageKind.STEP, step=next_header), encoded.frames),
@@ -253,18 +265,18 @@ class BlockServicer(ServicerBase):
             return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
         return None
 
-    def _channel(self, session: Session, hop: Hop) -> PushChannel:
+    async def _channel(self, session: Session, hop: Hop) -> PushChannel:
         channel: PushChannel | None = session.push_channel
         if channel is not None and (channel.peer_id, channel.session_id) == (hop.peer_id, hop.session_id) and not channel.failed:
             return channel
         if channel is not None:
-            asyncio.create_task(channel.close())
+            await channel.close()
 
         def report(peer_id: str, reason: str) -> None:
             session.inbox.put_nowait(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
                                              error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
 
-        session.push_channel = PushChannel(self.p2p, self.get_stub, hop.peer_id, hop.session_id, report, self._push_policy(hop))
+        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self._push_policy(hop))
         return session.push_channel
 
     @staticmethod

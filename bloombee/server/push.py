@@ -5,11 +5,12 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from bloombee.codec import CompressionPolicy
 from bloombee.protocol import Message, MessageKind
+from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import queue_stream
 
 logger = logging.getLogger(__name__)
@@ -18,11 +19,11 @@ logger = logging.getLogger(__name__)
 class PushChannel:
     """Keeps one push stream to (peer, session) open and reports a failure through `on_failure` once."""
 
-    def __init__(self, p2p: P2P, stub_factory: Callable, peer_id: str, session_id: str,
+    def __init__(self, p2p: P2P, peer_id: str, session_id: str,
                  on_failure: Callable[[str, str], None], policy: CompressionPolicy):
         self.peer_id, self.session_id, self.policy = peer_id, session_id, policy
         self._sent: dict[int, tuple[float, int]] = {}  # step id -> (send time, wire bytes), until acked
-        self._stub = stub_factory(p2p, PeerID.from_base58(peer_id))
+        self._stub = block_service_stub(p2p, peer_id)
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._on_failure = on_failure
         self._reader: asyncio.Task | None = None

@@ -113,7 +113,8 @@ class Server:
 
     def info(self) -> dict:
         return {**self.record().model_dump(mode="json"), "peer_id": self.dht.peer_id.to_base58(),
-                "open_sessions": len(self.registry), "total_blocks": self.total_blocks, "prefix": self.prefix}
+                "open_sessions": len(self.registry), "total_blocks": self.total_blocks, "prefix": self.prefix,
+                "links": self.servicer.link_reports()}
 
     def _announce(self) -> None:
         expiration = get_dht_time() + 3 * self.settings.announce_period
