@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+from fnmatch import fnmatch
+from pathlib import Path
+
 import pytest
 
 from bloombee.cli.codegen import main
-from bloombee.models.codegen import GENERATED_FILES, MODELS_DIR, SPECS_DIR, drift, render_all, write_all
+from bloombee.models import families
+from bloombee.models.codegen import (GENERATED_FILES, LINE_WIDTH, MODELS_DIR, SPECS_DIR, TEMPLATES_DIR, drift, py_dict,
+                                     render_all, write_all)
+from bloombee.models.core import Attention, ParallelDecoderBlock, QKNormAttention
 
 
 def test_committed_generated_files_match_fresh_render(tmp_path):
@@ -55,3 +62,45 @@ def test_cli_check(tmp_path, capsys):
         main(["--specs", str(bad_specs), "--out", str(tmp_path / "never")])
     assert info.value.code == 2 and "missing required field" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_specs_and_templates_are_package_data():
+    tomllib = pytest.importorskip("tomllib")
+    import bloombee.models
+
+    package = Path(bloombee.models.__file__).parent
+    assert SPECS_DIR.parent == TEMPLATES_DIR.parent == MODELS_DIR == package
+    globs = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = globs["bloombee.models"]
+    for path in sorted(SPECS_DIR.iterdir()) + sorted(TEMPLATES_DIR.iterdir()):
+        relative = path.relative_to(package).as_posix()
+        assert any(fnmatch(relative, glob) for glob in shipped), f"{relative} is not shipped with the package"
+
+
+def test_cli_renders_from_given_folders_anywhere(tmp_path, monkeypatch, capsys):
+    specs, templates, out = tmp_path / "s", tmp_path / "t", tmp_path / "o"
+    shutil.copytree(SPECS_DIR, specs)
+    shutil.copytree(TEMPLATES_DIR, templates)
+    monkeypatch.chdir(tmp_path)
+    main(["--specs", str(specs), "--templates", str(templates), "--out", str(out)])
+    assert f"{len(list(SPECS_DIR.glob('*.yaml')))} families rendered" in capsys.readouterr().out
+    main(["--check", "--specs", str(specs), "--templates", str(templates), "--out", str(out)])
+    for family in render_all():
+        for name in GENERATED_FILES:
+            assert (out / family / name).read_bytes() == (MODELS_DIR / family / name).read_bytes()
+
+
+def test_features_pick_the_core_parts():
+    qwen3, falcon, llama = (families()[name] for name in ("qwen3", "falcon", "llama"))
+    assert qwen3.block_class.attention_class is QKNormAttention
+    assert llama.block_class.attention_class is Attention
+    assert issubclass(falcon.block_class, ParallelDecoderBlock)
+    assert not issubclass(llama.block_class, ParallelDecoderBlock)
+    assert all(family.rotary for family in families().values())
+
+
+def test_wrap_keeps_lines_within_the_width():
+    text = "X = " + py_dict({f"key_{i}": f"value_{i}" * 3 for i in range(20)}, 4)
+    assert eval(text.split(" = ", 1)[1]) == {f"key_{i}": f"value_{i}" * 3 for i in range(20)}
+    assert max(len(line) for line in text.splitlines()) <= LINE_WIDTH
+    assert py_dict({}, 4) == "{}"

@@ -83,3 +83,14 @@ def test_unsupported_rope_type():
                                               long_factor=[1.0] * 8, original_max_position_embeddings=16))
     with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
         RotaryEmbedding(config, 16)
+
+
+def test_norms_take_dim_and_eps_rmsnorm_has_no_bias():
+    from bloombee.models.core import LayerNorm, RMSNorm
+
+    rms, layer = RMSNorm(8, 1e-6), LayerNorm(8, 1e-5)
+    assert [name for name, _ in rms.named_parameters()] == ["weight"]
+    assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"]
+    x = torch.randn(2, 3, 8)
+    assert torch.allclose(rms(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(layer(x), torch.nn.functional.layer_norm(x, (8,), eps=1e-5))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 import torch
+import transformers
 
 from bloombee.loading import load_block_stack, load_client_head
+from bloombee.models import families, family_for_model_type
+from bloombee.models.codegen import SPECS_DIR, render_all, write_all
 from bloombee.models.core import masks
 
 from conftest import TINY_VARIANTS
@@ -58,9 +64,8 @@ def greedy(stacks, head, input_ids, steps, key_padding=None):
     return torch.stack(new, dim=1)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_hidden_states_match_prompt_then_token_by_token(variant, tiny_checkpoint):
-    folder, model = tiny_checkpoint(variant, LAYERS)
+def assert_hidden_states_match(folder, model):
+    """Prompt, then token by token, through two stacks: hidden states and logits equal the reference's."""
     stacks, head = load_servers(folder)
     torch.manual_seed(1)
     ids = torch.randint(1, 128, (2, 20))
@@ -83,6 +88,20 @@ def test_hidden_states_match_prompt_then_token_by_token(variant, tiny_checkpoint
     assert (logits - model(ids).logits).abs().max() <= 1e-4
 
 
+def assert_greedy_tokens_match(folder, model):
+    """32 greedy tokens through two stacks and the head equal ``model.generate``'s."""
+    stacks, head = load_servers(folder)
+    torch.manual_seed(2)
+    ids = torch.randint(1, 128, (1, 8))
+    ref = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)[:, 8:]
+    assert torch.equal(greedy(stacks, head, ids, 32), ref)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hidden_states_match_prompt_then_token_by_token(variant, tiny_checkpoint):
+    assert_hidden_states_match(*tiny_checkpoint(variant, LAYERS))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_stateless_forward_matches(variant, tiny_checkpoint):
     folder, model = tiny_checkpoint(variant, 2)
@@ -96,12 +115,44 @@ def test_stateless_forward_matches(variant, tiny_checkpoint):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_tokens_match_generate(variant, tiny_checkpoint):
-    folder, model = tiny_checkpoint(variant, LAYERS)
-    stacks, head = load_servers(folder)
-    torch.manual_seed(2)
-    ids = torch.randint(1, 128, (1, 8))
-    ref = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)[:, 8:]
-    assert torch.equal(greedy(stacks, head, ids, 32), ref)
+    assert_greedy_tokens_match(*tiny_checkpoint(variant, LAYERS))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_is_built_from_its_familys_reference_classes(variant):
+    config_class, model_class, _ = TINY_VARIANTS[variant]
+    family = family_for_model_type(getattr(transformers, config_class).model_type)
+    assert (family.config_class, family.reference_model_class) == (config_class, model_class)
+
+
+@pytest.fixture
+def readme_family(tmp_path, monkeypatch):
+    """The worked example of specs/README.md rendered into a temporary folder (outside bloombee/models),
+    imported from there and put in the registry for this test only."""
+    yaml_text = (SPECS_DIR / "README.md").read_text().split("```yaml\n", 1)[1].split("```", 1)[0]
+    specs, packages = tmp_path / "new-specs", tmp_path / "packages"
+    specs.mkdir()
+    (specs / "starcoder2.yaml").write_text(yaml_text)
+    write_all(render_all(specs), packages)
+    monkeypatch.syspath_prepend(str(packages))
+    try:
+        family = importlib.import_module("starcoder2").FAMILY
+        assert family.block_class.__module__ == "starcoder2.block"
+        monkeypatch.setitem(families(), family.name, family)
+        yield family
+    finally:
+        for name in [m for m in sys.modules if m == "starcoder2" or m.startswith("starcoder2.")]:
+            del sys.modules[name]
+
+
+def test_new_spec_from_readme_is_exact(readme_family, tiny_checkpoint, monkeypatch):
+    kwargs = {"intermediate_size": 96, "num_key_value_heads": 2, "sliding_window": 6}
+    monkeypatch.setitem(TINY_VARIANTS, "starcoder2",
+                        (readme_family.config_class, readme_family.reference_model_class, kwargs))
+    folder, model = tiny_checkpoint("starcoder2", LAYERS)
+    assert type(model).__name__ == "Starcoder2ForCausalLM"
+    assert_hidden_states_match(folder, model)
+    assert_greedy_tokens_match(folder, model)
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral", "qwen3", "mixtral", "falcon-7b", "falcon-40b"])

@@ -1,4 +1,5 @@
-"""`bloombee-codegen`: render every specs/<family>.yaml into bloombee/models/<family>/."""
+"""`bloombee-codegen`: render every <family>.yaml spec into a <family>/ package (default: the installed
+bloombee/models/specs into bloombee/models)."""
 
 import argparse
 import sys
@@ -10,9 +11,12 @@ from bloombee.models.spec import SpecError
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="bloombee-codegen", description=__doc__)
-    parser.add_argument("--specs", type=Path, default=SPECS_DIR, help="folder of <family>.yaml specs")
-    parser.add_argument("--templates", type=Path, default=TEMPLATES_DIR, help="folder of *.py.j2 templates")
-    parser.add_argument("--out", type=Path, default=MODELS_DIR, help="folder receiving one package per family")
+    parser.add_argument("--specs", type=Path, default=SPECS_DIR,
+                        help=f"folder of <family>.yaml specs (default: {SPECS_DIR})")
+    parser.add_argument("--templates", type=Path, default=TEMPLATES_DIR,
+                        help=f"folder of *.py.j2 templates (default: {TEMPLATES_DIR})")
+    parser.add_argument("--out", type=Path, default=MODELS_DIR,
+                        help=f"folder receiving one package per family (default: {MODELS_DIR})")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if any generated file differs from a fresh render")
     args = parser.parse_args(argv)

@@ -1,4 +1,8 @@
-"""Render every ``specs/<family>.yaml`` through ``templates/*.py.j2`` into ``bloombee/models/<family>/``."""
+"""Render every ``specs/<family>.yaml`` through ``templates/*.py.j2`` into a ``<family>/`` package.
+
+Specs and templates are package data of ``bloombee.models`` (``bloombee/models/specs``, ``bloombee/models/templates``),
+so the defaults work from an installed package as from a checkout; the generated packages land beside them.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,29 @@ from bloombee.models.spec import FamilySpec, load_spec
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SPECS_DIR = REPO_ROOT / "specs"
-TEMPLATES_DIR = REPO_ROOT / "templates"
 MODELS_DIR = Path(__file__).resolve().parent
+SPECS_DIR = MODELS_DIR / "specs"
+TEMPLATES_DIR = MODELS_DIR / "templates"
 GENERATED_FILES = ("config.py", "block.py", "model.py", "__init__.py")
+LINE_WIDTH = 120
+
+
+def wrap(items: list[str], indent: int, close: str, width: int = LINE_WIDTH) -> str:
+    """``items`` joined by ", " and ended by ``close``, broken into lines of at most ``width`` columns
+    (the first line is taken to start, and the others start, at column ``indent``)."""
+    lines, line = [], []
+    for item in items:
+        if line and indent + len(", ".join(line + [item])) + max(len(close), 1) > width:
+            lines.append(", ".join(line) + ",")
+            line = []
+        line.append(item)
+    lines.append(", ".join(line) + close)
+    return ("\n" + " " * indent).join(lines)
+
+
+def py_dict(mapping: dict, indent: int) -> str:
+    """The Python literal of ``mapping``, wrapped like ``wrap`` (``indent``: the column of its opening brace)."""
+    return "{" + wrap([f"{key!r}: {value!r}" for key, value in mapping.items()], indent + 1, "}")
 
 
 def _environment(templates_dir: Path) -> jinja2.Environment:
@@ -23,10 +45,13 @@ def _environment(templates_dir: Path) -> jinja2.Environment:
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["py"] = repr
     env.filters["tuple"] = tuple
+    env.filters["py_dict"] = py_dict
+    env.filters["wrap"] = wrap
     return env
 
 
 def class_prefix(family: str) -> str:
+    """``"my_family"`` -> ``"MyFamily"``, the prefix of the family's class names."""
     return "".join(part[:1].upper() + part[1:] for part in family.split("_"))
 
 
@@ -51,6 +76,7 @@ def render_all(specs_dir: Path = SPECS_DIR, templates_dir: Path = TEMPLATES_DIR)
 
 
 def write_all(rendered: dict[str, dict[str, str]], out_dir: Path = MODELS_DIR) -> list[Path]:
+    """Write each family's package under ``out_dir``; return the files whose text changed."""
     written = []
     for family, files in rendered.items():
         folder = Path(out_dir) / family
@@ -60,6 +86,7 @@ def write_all(rendered: dict[str, dict[str, str]], out_dir: Path = MODELS_DIR) -
             if not path.exists() or path.read_text() != text:
                 path.write_text(text)
                 written.append(path)
+    logger.info("rendered %d families into %s, %d files changed", len(rendered), out_dir, len(written))
     return written
 
 

@@ -1,4 +1,4 @@
-"""The model-family spec schema (``specs/<family>.yaml``), validated before any code is generated."""
+"""The model-family spec schema (``bloombee/models/specs/<family>.yaml``), validated before any code is generated."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from bloombee.models.core.norms import NORMS
 
 BLOCK_MODULES = ("attn.", "attn_norm.", "mlp.", "mlp_norm.")
 HEAD_MODULES = ("embed_tokens.", "norm.", "lm_head.")
+# classes.<field> -> (the core classes it may name, what the error calls them)
+CLASS_CHOICES = {"attention": (ATTENTIONS, "attention class"), "mlp": (MLPS, "MLP class"),
+                 "norm": (NORMS, "norm class")}
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_heads", "intermediate_size", "norm_eps")
-# block-config fields a spec may not read from the config: they come from feature flags or adapters
-DERIVED_FIELDS = ("qk_norm", "qkv_layout", "separate_mlp_norm", "norm_bias")
+# block-config fields a spec may not read from the config: its config adapter derives them
+DERIVED_FIELDS = ("qkv_layout", "separate_mlp_norm")
 
 
 class SpecError(ValueError):
@@ -39,30 +42,19 @@ class Classes(_Strict):
     mlp: str
     norm: str
 
-    @field_validator("attention")
+    @field_validator("attention", "mlp", "norm")
     @classmethod
-    def _attention(cls, v):
-        return _allowed(v, ATTENTIONS, "attention class")
-
-    @field_validator("mlp")
-    @classmethod
-    def _mlp(cls, v):
-        return _allowed(v, MLPS, "MLP class")
-
-    @field_validator("norm")
-    @classmethod
-    def _norm(cls, v):
-        return _allowed(v, NORMS, "norm class")
+    def _known(cls, v, info):
+        registry, what = CLASS_CHOICES[info.field_name]
+        return _allowed(v, registry, what)
 
 
 class Features(_Strict):
-    rotary: bool
-    grouped_query_attention: bool
-    qk_norm: bool
-    mixture_of_experts: bool
-    parallel_attention: bool
-    sliding_window: bool
-    biases: bool
+    rotary: bool  # the stack computes rotary embeddings
+    qk_norm: bool  # the block's attention is core.attention.QKNormAttention
+    mixture_of_experts: bool  # must agree with classes.mlp (MoEMLP)
+    parallel_attention: bool  # the block is core.block.ParallelDecoderBlock
+    sliding_window: bool  # must agree with config_fields (sliding_window)
 
 
 class Weights(_Strict):
@@ -167,13 +159,8 @@ class FamilySpec(_Strict):
             raise ValueError("mixture_of_experts needs config_fields num_experts and num_experts_per_tok")
         if f.qk_norm and self.classes.attention != "Attention":
             raise ValueError("features.qk_norm needs classes.attention Attention")
-        if f.grouped_query_attention != ("num_kv_heads" in fields):
-            raise ValueError("features.grouped_query_attention must be true exactly when config_fields maps "
-                             "num_kv_heads")
         if f.sliding_window != ("sliding_window" in fields):
             raise ValueError("features.sliding_window must be true exactly when config_fields maps sliding_window")
-        if not f.biases and ({"attention_bias", "mlp_bias"} & set(fields)):
-            raise ValueError("features.biases is false, so config_fields may not map attention_bias or mlp_bias")
         if f.parallel_attention != ("parallel_attention" in fields):
             raise ValueError("features.parallel_attention must be true exactly when config_fields maps "
                              "parallel_attention")

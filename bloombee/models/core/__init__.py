@@ -1,8 +1,9 @@
-"""Hand-written compute shared by all model families: KV cache, attention, rotary, norms, MLPs, masks."""
+"""Hand-written compute shared by all model families: KV cache, attention, rotary, norms, MLPs, masks, blocks,
+the block stack and client head, config reading and the Family a generated package assembles."""
 
-from bloombee.models.core.attention import ATTENTIONS, Attention, FusedQKVAttention
-from bloombee.models.core.block import DecoderBlock
-from bloombee.models.core.config import BLOCK_CONFIG_FIELDS, CONFIG_ADAPTERS, BlockConfig
+from bloombee.models.core.attention import ATTENTIONS, Attention, FusedQKVAttention, QKNormAttention
+from bloombee.models.core.block import DecoderBlock, ParallelDecoderBlock
+from bloombee.models.core.config import BLOCK_CONFIG_FIELDS, CONFIG_ADAPTERS, BlockConfig, read_block_config
 from bloombee.models.core.family import Family
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.mlp import MLPS, GatedMLP, GeluMLP, MoEMLP
@@ -11,7 +12,7 @@ from bloombee.models.core.rotary import RotaryEmbedding
 from bloombee.models.core.stack import BlockStack, ClientHead
 
 __all__ = [
-    "ATTENTIONS", "Attention", "FusedQKVAttention", "DecoderBlock", "BLOCK_CONFIG_FIELDS", "CONFIG_ADAPTERS",
-    "BlockConfig", "Family", "KVCache", "MLPS", "GatedMLP", "GeluMLP", "MoEMLP", "NORMS", "LayerNorm",
-    "RMSNorm", "RotaryEmbedding", "BlockStack", "ClientHead",
+    "ATTENTIONS", "Attention", "FusedQKVAttention", "QKNormAttention", "DecoderBlock", "ParallelDecoderBlock",
+    "BLOCK_CONFIG_FIELDS", "CONFIG_ADAPTERS", "BlockConfig", "read_block_config", "Family", "KVCache", "MLPS",
+    "GatedMLP", "GeluMLP", "MoEMLP", "NORMS", "LayerNorm", "RMSNorm", "RotaryEmbedding", "BlockStack", "ClientHead",
 ]

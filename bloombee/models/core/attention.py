@@ -59,7 +59,7 @@ class _AttentionBase(nn.Module):
 
 
 class Attention(_AttentionBase):
-    """Separate q/k/v projections; grouped-query heads; optional biases and per-head q/k RMSNorm (qwen3)."""
+    """Separate q/k/v projections; grouped-query heads; optional biases."""
 
     def __init__(self, cfg: BlockConfig):
         super().__init__(cfg)
@@ -68,17 +68,30 @@ class Attention(_AttentionBase):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
     def project(self, x):
         b, T, _ = x.shape
         q = self.q_proj(x).view(b, T, -1, self.head_dim)
         k = self.k_proj(x).view(b, T, -1, self.head_dim)
         v = self.v_proj(x).view(b, T, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.normalize(q, k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def normalize(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q, k [b, T, heads, d] before rotary: unchanged here."""
+        return q, k
+
+
+class QKNormAttention(Attention):
+    """Attention with a per-head RMSNorm on queries and keys (qwen3): the spec's ``features.qk_norm``."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__(cfg)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def normalize(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
 
 
 class FusedQKVAttention(_AttentionBase):

@@ -1,4 +1,4 @@
-"""The decoder block: norms, attention and MLP, sequential (pre-norm) or parallel (falcon)."""
+"""Decoder blocks composed from core parts: sequential (pre-norm) or parallel attention + MLP (falcon)."""
 
 from __future__ import annotations
 
@@ -10,30 +10,39 @@ from bloombee.models.core.kv_cache import KVCache
 
 
 class DecoderBlock(nn.Module):
-    """Subclasses (generated per family) create ``attn_norm``, ``attn``, ``mlp_norm`` (or None) and ``mlp``.
+    """Pre-norm block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)).
 
-    Sequential:  h = x + attn(attn_norm(x));  out = h + mlp(mlp_norm(h))
-    Parallel:    out = x + (mlp(mlp_norm(x) or attn_norm(x)) + attn(attn_norm(x)))
+    A generated ``<family>/block.py`` subclass names its parts: ``norm_class`` (called with
+    ``(hidden_size, norm_eps)``), ``attention_class`` and ``mlp_class`` (called with the BlockConfig).
     """
 
-    attn_norm: nn.Module
-    attn: nn.Module
-    mlp_norm: nn.Module | None
-    mlp: nn.Module
+    norm_class: type[nn.Module]
+    attention_class: type[nn.Module]
+    mlp_class: type[nn.Module]
 
     def __init__(self, cfg: BlockConfig, layer_index: int):
         super().__init__()
         self.cfg = cfg
         self.layer_index = layer_index
-        self.parallel = cfg.parallel_attention
+        self.attn_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
+        self.attn = self.attention_class(cfg)
+        self.mlp_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps) if cfg.separate_mlp_norm else None
+        self.mlp = self.mlp_class(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cache: KVCache | None, cache_positions: torch.Tensor, mask: torch.Tensor | None,
                 batch_offset: int = 0) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, cache, cache_positions, mask, batch_offset)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class ParallelDecoderBlock(DecoderBlock):
+    """``features.parallel_attention``: out = x + (mlp(mlp_norm(x) or attn_norm(x)) + attn(attn_norm(x)))."""
+
+    def forward(self, x, cos, sin, cache, cache_positions, mask, batch_offset=0):
+        if not self.cfg.parallel_attention:  # e.g. falcon with parallel_attn=False
+            return super().forward(x, cos, sin, cache, cache_positions, mask, batch_offset)
         attn_in = self.attn_norm(x)
         attn_out = self.attn(attn_in, cos, sin, cache, cache_positions, mask, batch_offset)
-        if self.parallel:
-            mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
-            return x + (self.mlp(mlp_in) + attn_out)
-        h = x + attn_out
-        return h + self.mlp(self.mlp_norm(h))
+        mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
+        return x + (self.mlp(mlp_in) + attn_out)

@@ -1,7 +1,8 @@
 """BlockConfig: the hyperparameters of one block, normalised from a transformers config.
 
-Generated ``<family>/config.py`` files read the fields their spec names into a BlockConfig and then
-apply the spec's config adapter (one of ``CONFIG_ADAPTERS``) for derived values.
+A generated ``<family>/config.py`` holds the spec's field mapping (``FIELDS``) and defaults (``DEFAULTS``);
+``read_block_config`` reads them into a BlockConfig and applies the spec's config adapter (one of
+``CONFIG_ADAPTERS``) for derived values.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ class BlockConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
-    norm_bias: bool = False
-    qk_norm: bool = False
     sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -70,8 +69,26 @@ def falcon_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig
         cfg.qkv_layout = "interleaved"
         cfg.num_kv_heads = cfg.num_heads
         cfg.separate_mlp_norm = not cfg.parallel_attention
-    cfg.norm_bias = True
     return cfg
 
 
 CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter}
+
+
+def read_config_field(hf_config, attribute: str, field: str, defaults: dict, family: str):
+    """``hf_config.<attribute>`` for block field ``field``; the family's default when it is missing or None."""
+    value = getattr(hf_config, attribute, None)
+    if value is None:
+        if field not in defaults:
+            raise ValueError(f"{family} config lacks {attribute!r} (block field {field!r}).")
+        value = defaults[field]
+    return value
+
+
+def read_block_config(hf_config, layer_index: int, family: str, fields: dict[str, str], defaults: dict,
+                      adapter: str) -> BlockConfig:
+    """The BlockConfig of block ``layer_index``: mapped fields read, unmapped defaults as constants, then adapted."""
+    values = {field: value for field, value in defaults.items() if field not in fields}
+    for field, attribute in fields.items():
+        values[field] = read_config_field(hf_config, attribute, field, defaults, family)
+    return CONFIG_ADAPTERS[adapter](hf_config, BlockConfig(**values), layer_index)

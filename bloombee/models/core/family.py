@@ -1,57 +1,72 @@
-"""Family: what the loader and the registry need to know about one generated model family."""
+"""Family: one generated model family, as the registry, the loader and the tests use it."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+
+from bloombee.models.core.config import BlockConfig, read_block_config
+from bloombee.models.core.stack import BlockStack, ClientHead
 
 
-def _pattern(prefix: str) -> re.Pattern:
-    """A checkpoint-name prefix with optional ``{expert}`` placeholders -> regex matching at the start."""
-    return re.compile(re.escape(prefix).replace(r"\{expert\}", r"(?P<expert>\d+)"))
+def _patterns(renames: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+    """Checkpoint-name prefixes with optional ``{expert}`` placeholders -> regexes matching at the start."""
+    expert = r"(?P<expert>\d+)"
+    return [(re.compile(re.escape(src).replace(r"\{expert\}", expert)), dst) for src, dst in renames.items()]
+
+
+def _rename(name: str, patterns) -> str | None:
+    for pattern, dst in patterns:
+        m = pattern.match(name)
+        if m:
+            return dst.format(**m.groupdict()) + name[m.end():]
+    return None
 
 
 @dataclass
 class Family:
+    """What a spec says about a family, bound to its generated block class (``<family>/__init__.py``)."""
+
     name: str
-    spec: str
     model_types: tuple[str, ...]
-    config_class: str
-    reference_model_class: str
-    block_class: type
-    stack_class: type
-    head_class: type
-    block_config: Callable  # (hf_config, layer_index) -> BlockConfig
+    config_class: str  # the transformers config class it reads
+    reference_model_class: str  # the transformers model class the exactness tests compare against
+    block_class: type  # a core.block.DecoderBlock subclass naming its norm, attention and MLP
+    rotary: bool  # the stack computes rotary position embeddings
+    config_fields: dict[str, str]  # block-config field -> transformers config attribute
+    config_defaults: dict  # field -> value when the attribute is missing or None (a constant if unmapped)
+    config_adapter: str  # a key of core.config.CONFIG_ADAPTERS
     block_prefix: str  # e.g. "model.layers.{index}."
-    block_renames: tuple[tuple[str, str], ...]  # checkpoint prefix (within a block) -> module prefix
-    head_renames: tuple[tuple[str, str], ...]  # checkpoint prefix -> head module prefix
+    block_renames: dict[str, str]  # checkpoint prefix (within a block) -> module prefix
+    head_renames: dict[str, str]  # checkpoint prefix -> head module prefix
     dht_prefix_rule: str  # e.g. "{name}"
-    rotary: bool = True
-    norm: str = "RMSNorm"
-    _compiled: dict = field(default_factory=dict, repr=False)
+    _block_patterns: list = field(init=False, repr=False)
+    _head_patterns: list = field(init=False, repr=False)
 
-    def _renamer(self, renames):
-        key = id(renames)
-        if key not in self._compiled:
-            self._compiled[key] = [(_pattern(src), dst) for src, dst in renames]
-        return self._compiled[key]
+    def __post_init__(self):
+        self._block_patterns = _patterns(self.block_renames)
+        self._head_patterns = _patterns(self.head_renames)
 
-    @staticmethod
-    def _rename(name: str, compiled) -> str | None:
-        for pattern, dst in compiled:
-            m = pattern.match(name)
-            if m:
-                return dst.format(**m.groupdict()) + name[m.end():]
-        return None
+    def block_config(self, hf_config, layer_index: int) -> BlockConfig:
+        """The BlockConfig of block ``layer_index``."""
+        return read_block_config(hf_config, layer_index, self.name, self.config_fields, self.config_defaults,
+                                 self.config_adapter)
+
+    def block_stack(self, hf_config, start: int, end: int) -> BlockStack:
+        """Blocks [start, end) with fresh parameters (the loader fills them)."""
+        return BlockStack(self, hf_config, start, end)
+
+    def client_head(self, hf_config) -> ClientHead:
+        """Embeddings, final norm and LM head with fresh parameters (the loader fills them)."""
+        return ClientHead(self, hf_config)
 
     def block_tensor_name(self, checkpoint_name: str, index: int) -> str | None:
         """Module name inside block ``index`` for a checkpoint tensor, or None if it is not that block's."""
         prefix = self.block_prefix.format(index=index)
         if not checkpoint_name.startswith(prefix):
             return None
-        return self._rename(checkpoint_name[len(prefix):], self._renamer(self.block_renames))
+        return _rename(checkpoint_name[len(prefix):], self._block_patterns)
 
     def head_tensor_name(self, checkpoint_name: str) -> str | None:
         """Client-head module name for a checkpoint tensor, or None if it is not a head tensor."""
-        return self._rename(checkpoint_name, self._renamer(self.head_renames))
+        return _rename(checkpoint_name, self._head_patterns)

@@ -1,4 +1,4 @@
-"""Normalisation layers."""
+"""Normalisation layers; both take ``(dim, eps)``: RMSNorm has a weight only, LayerNorm a weight and a bias."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, bias: bool = False):
+    """Root-mean-square norm with a learned scale (no bias, no mean subtraction), computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -20,8 +22,10 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
-        super().__init__(dim, eps=eps, bias=bias)
+    """torch's LayerNorm with a weight and a bias (falcon, starcoder2)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__(dim, eps=eps)
 
 
 NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}

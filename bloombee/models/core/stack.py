@@ -1,27 +1,34 @@
-"""BlockStack (a server's contiguous blocks [start, end)) and ClientHead (embeddings, final norm, LM head)."""
+"""BlockStack (a server's contiguous blocks [start, end)) and ClientHead (embeddings, final norm, LM head).
+
+One class each for every family: both take the family's ``Family`` (``bloombee.models.core.family``), whose
+``block_stack`` and ``client_head`` build them.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from bloombee.models.core.kv_cache import KVCache
-from bloombee.models.core.norms import NORMS
 from bloombee.models.core.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from bloombee.models.core.family import Family
 
 
 class BlockStack(nn.Module):
-    """Blocks [start, end) of one model. Subclasses set ``family`` (a core.family.Family)."""
+    """Blocks [start, end) of one model of ``family``."""
 
-    family = None
     cache_class = KVCache
 
-    def __init__(self, config, start: int, end: int):
+    def __init__(self, family: Family, config, start: int, end: int):
         super().__init__()
         n = config.num_hidden_layers
         if not 0 <= start < end <= n:
             raise ValueError(f"block range [{start}, {end}) is not inside the model's {n} blocks [0, {n}).")
-        self.config, self.start, self.end = config, start, end
+        self.family, self.config, self.start, self.end = family, config, start, end
         self.block_configs = [self.family.block_config(config, i) for i in range(start, end)]
         self.blocks = nn.ModuleList(self.family.block_class(cfg, i)
                                     for cfg, i in zip(self.block_configs, range(start, end)))
@@ -97,16 +104,14 @@ class BlockStack(nn.Module):
 
 
 class ClientHead(nn.Module):
-    """What the client holds: token embeddings, the final norm and the LM head. Subclasses set ``family``."""
+    """What the client holds of a model: token embeddings, the final norm (the blocks' norm class), LM head."""
 
-    family = None
-
-    def __init__(self, config):
+    def __init__(self, family: Family, config):
         super().__init__()
-        self.config = config
-        cfg = self.family.block_config(config, 0)
+        self.family, self.config = family, config
+        norm_eps = family.block_config(config, 0).norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.norm = NORMS[self.family.norm](config.hidden_size, cfg.norm_eps, bias=cfg.norm_bias)
+        self.norm = family.block_class.norm_class(config.hidden_size, norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
