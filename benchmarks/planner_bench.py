@@ -11,7 +11,7 @@
    inputs object. Target < 2 s.
 3. Solve time against N (L = 2.5 N), for the plot.
 
-Swarms come from ``bloombee.planner.synthetic.swarm_inputs`` (a mix of RTX 3090/4090/5090, L40S,
+Swarms come from ``examples/swarms.py`` (``swarm_inputs``: a mix of RTX 3090/4090/5090, L40S,
 A100 and H100 machines on home and datacenter links, cost tables from their bandwidth and FLOPs).
 Times are wall-clock medians (time.perf_counter) on this machine, with the process's CPU-time
 medians beside them (less sensitive to other load); the CPU count and load average are recorded.
@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +32,10 @@ import numpy as np
 
 from bloombee.planner import plan, solve
 from bloombee.planner.costs import _static
-from bloombee.planner.synthetic import swarm_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for examples/
+
+from examples.swarms import swarm_inputs
 
 HERE = Path(__file__).resolve().parent
 

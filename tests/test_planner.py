@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,11 @@ from bloombee.planner import (
 from bloombee.planner.brute import compositions
 from bloombee.planner.costs import StepModel, block_times
 from bloombee.planner.schedule import simulate
-from bloombee.planner.synthetic import random_inputs, swarm_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for examples/
+
+from examples.swarms import swarm_inputs
+from planner_problems import random_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "plans"

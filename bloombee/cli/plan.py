@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from bloombee.planner import PlanInfeasibleError, PlanInputError, PlanInputs, baselines, evaluate, plan
 from bloombee.planner.inputs import read_input_file
 from bloombee.planner.model_config import ModelConfigError, load_model_section
-from bloombee.planner.placement import current_assignment, swarm_nodes
+from bloombee.planner.placement import current_assignment
 from bloombee.planner.report import json_report, text_report
 from bloombee.planner.schedule import plot_schedule, simulate
 
@@ -53,6 +53,7 @@ def swarm_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[st
     """A planner input from the live swarm's DHT records, and the servers' current ranges."""
     if not args.model:
         raise PlanInputError("--initial-peers needs --model (the model whose servers to plan for)")
+    from bloombee.client.placement import swarm_nodes
     from bloombee.dht.peers import start_dht
     from bloombee.dht.records import fetch_records
     from bloombee.loading import dht_prefix

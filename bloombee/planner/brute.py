@@ -6,9 +6,10 @@ import itertools
 from collections.abc import Iterator
 
 from .costs import StepModel
-from .search import Candidate, Plan, PlanInfeasibleError, capacity_report, infeasible_message
+from .dp import Solution
 from .evaluate import evaluate
 from .inputs import PlanInputs
+from .search import Plan, plan_from, search_candidates
 
 
 def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -26,39 +27,20 @@ def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 def brute_force(inputs: PlanInputs) -> Plan:
     """The best plan by exhaustive enumeration (C(L + N - 1, N - 1) assignments per (B, M)).
 
-    Same tie-breaking as ``plan``; raises PlanInfeasibleError if nothing fits.
+    Same candidates and tie-breaking as ``plan``; raises PlanInfeasibleError if nothing fits.
     """
-    best = None
-    candidates = []
-    for batch_size in inputs.workload.batch_sizes:
-        for micro_batches in inputs.workload.micro_batches:
-            if micro_batches > batch_size:
-                candidates.append(Candidate(batch_size, micro_batches, None, None, "micro_batches > batch_size"))
-                continue
-            model = StepModel(inputs, batch_size, micro_batches)
-            local = None
-            for assignment in compositions(inputs.num_blocks, len(inputs.nodes)):
-                result = evaluate(inputs, assignment, batch_size, micro_batches, step_model=model)
-                if not result.feasible:
-                    continue
-                key = (-result.throughput, result.num_active, micro_batches, batch_size)
-                if local is None or key < local[0]:
-                    local = (key, result)
-            if local is None:
-                candidates.append(Candidate(batch_size, micro_batches, None, None, capacity_report(model)))
-                continue
-            candidates.append(Candidate(batch_size, micro_batches, local[1].throughput, local[1].assignment))
-            if best is None or local[0] < best[0]:
-                best = local
+    candidates, solution, model = search_candidates(inputs, enumerate_best)
+    return plan_from(inputs, solution, model, candidates)
+
+
+def enumerate_best(inputs: PlanInputs, batch_size: int, micro_batches: int, step_model: StepModel) -> Solution | None:
+    """The best assignment for one (B, M) over every contiguous one; ties go to fewer active stages."""
+    best, best_key = None, None
+    for assignment in compositions(inputs.num_blocks, len(inputs.nodes)):
+        result = evaluate(inputs, assignment, batch_size, micro_batches, step_model=step_model)
+        key = (-result.throughput, result.num_active)
+        if result.feasible and (best is None or key < best_key):
+            best, best_key = result, key
     if best is None:
-        raise PlanInfeasibleError(infeasible_message(inputs))
-    result = best[1]
-    return Plan(
-        assignment=result.assignment,
-        batch_size=result.batch_size,
-        micro_batches=result.micro_batches,
-        alphas=result.alphas,
-        throughput=result.throughput,
-        evaluation=result,
-        candidates=candidates,
-    )
+        return None
+    return Solution(batch_size, micro_batches, best.assignment, best.step_time_s, best.num_active)

@@ -5,43 +5,42 @@ in node order, and a node with L_j = 0 drops out together with its hops (the cha
 previous active node straight to the next one). Only the nodes that can hold at least one block at
 this (B, M) take part; the others are skipped in every feasible plan anyway.
 
-Indices: j and p are nodes, k the number of blocks assigned so far (0..L), l the blocks of one
-stage, comp[j, l] its compute time (inf where it does not fit), hop[p, j] the hop time from p to j
-(the client is both the first sender and the last receiver).
+Indices: j and p are nodes, k the number of blocks placed so far (0..L), l the blocks of one stage,
+n the number of active stages, comp[j, l] a stage's compute time (inf where it does not fit),
+hop[p, j] the hop time from p to j (the client is both the first sender and the last receiver).
 
-M = 1, the sum objective (T_step = sum of all stage and hop times). State (k, j): blocks [0, k) are
-placed and node j is the last active node, ending at block k; the value excludes j's outgoing hop,
-which only becomes known when the next active node is chosen.
+One recurrence, parameterised by its objective (``_Objective``): ``op`` combines the times along a
+placement, + for the sum of stage and hop times (M = 1, eq. 1), max for the bottleneck cycle
+(M >= 2, eq. 4). State (n, k, j): blocks [0, k) placed on n active stages, node j the last one,
+ending at block k; its value excludes j's outgoing hop, known only once the next node is chosen.
 
-    arrive[k, j] = min(hop[client, j] if k = 0,  min_{p < j} f[k, p] + hop[p, j])
-    f[k, j]      = min_{1 <= l <= k} arrive[k - l, j] + comp[j, l]
-    T_step       = min_j f[L, j] + hop[j, client]
+    arrive[1, 0, j] = hop[client, j]
+    arrive[n, k, j] = min_{p < j} op(F[n - 1, k, p], hop[p, j])                      (n > 1)
+    F[n, k, j]      = min_{1 <= l <= k} op(arrive[n, k - l, j], comp[j, l])
+    C_n             = min_j op(F[n, L, j], hop[j, client])
+    T_step          = min_n scale(n) * C_n
 
-O(N L^2 + N^2 L) per (B, M); the loop over j is sequential, the rest vectorised.
+With the bottleneck, scale(n) = M + n - 1 (fill and drain), so the tables keep one layer per stage
+count (``_Objective.layered``; so do capped stage counts). With the plain sum, scale(n) = 1 and the
+layers collapse into one: arrive[k, j] = min(hop[client, j] if k = 0, min_{p < j} op(F[k, p],
+hop[p, j])), O(N L^2 + N^2 L).
 
-M >= 2, the bottleneck objective (T_step = (M + N' - 1) * max of all stage and hop times). The max
-alone would be a plain min-max DP, but the fill/drain factor depends on N', the number of active
-stages, so the DP is layered by it: layer n holds, for every (k, j), the smallest bottleneck so far
-of any placement of blocks [0, k) on exactly n active stages ending at node j.
+Two sweep orders compute the same tables (``_tables``): node by node with every layer at once
+(collapsed tables and small problems), or layer by layer with all nodes at once (large layered
+ones). The second stops early. A placement on more than n stages has a value of at least
+min_{k < L} F[n, k, j] (its first n stages are a state of layer n), at least the best bottleneck
+over any number of stages, and at least a compute-only bound for its number of stages
+(``_lower_bounds``; a sum of times is at least their max); once min over n' > n of scale(n') times
+the largest of these reaches the best T_step, no deeper layer can win. Likewise a state whose value
+times scale(n + 1) reaches it is dropped. One walk-back (``_walk_back``) recovers the stages from
+either sweep.
 
-    arrive_n[k, j] = hop[client, j] if n = 1 and k = 0;   min_{p < j} max(F_{n-1}[k, p], hop[p, j]) if n > 1
-    F_n[k, j]      = min_{1 <= l <= k} max(arrive_n[k - l, j], comp[j, l])
-    C_n            = min_j max(F_n[L, j], hop[j, client])
-    T_step         = min_n (M + n - 1) * C_n
+Many assignments often share the bottleneck optimum; ``search.plan`` reruns the DP on its winner
+with + in place of max, every time above the optimum's cycle masked out and at most its number of
+stages (``solve(..., refine=True)``), to return the equally fast assignment whose stage and hop
+times add up least.
 
-Small problems compute all layers together, node by node (``_by_node``); large ones one layer at a
-time, each a vectorised step over all (k, j) (O(N^2 L + N L cap)), and there layers stop early:
-a placement with more than n stages has a bottleneck of at least min_{k < L} F_n[k, j] (its first n
-stages are a state of layer n), of at least the best bottleneck over any number of stages, and of
-at least a compute-only bound for that many stages (``_compute_bounds``), so once min over n' > n
-of (M + n' - 1) times the largest of those bounds reaches the best T_step, no deeper layer can win;
-likewise a state whose bottleneck times (M + n) reaches it is dropped.
-
-Many assignments often share the bottleneck optimum; ``search.plan`` reruns the layered DP on its winner
-with + in place of max and every time above the optimum's cycle masked out (``_refine``), to return
-the equally fast assignment whose stage and hop times add up least.
-
-Both programs are exact for the model in ``costs``/``evaluate``: every contiguous assignment is a
+The program is exact for the model in ``costs``/``evaluate``: every contiguous assignment is a
 path through the states, and a path's value is the assignment's step time computed with the same
 floating-point operations in the same order.
 """
@@ -57,12 +56,10 @@ from numpy.lib.stride_tricks import as_strided
 from .costs import StepModel
 from .inputs import PlanInputs
 
-
-# Problems of at most this many (node, blocks) cells run the stage-count-layered DPs node by node
-# with all stage counts at once; larger ones layer by layer with row loops and early stopping.
-# Both are exact; the tests run both.
+# Layered problems of at most this many (node, blocks) cells are swept node by node with all stage
+# counts at once; larger ones layer by layer with early stopping. Both are exact; the tests run both.
 SMALL_LAYER_CELLS = 4096
-# Above this many usable nodes the bottleneck DP first computes lower bounds to stop its layers early.
+# Above this many usable nodes the layer-by-layer sweep first computes lower bounds to stop early.
 PRUNE_BOUNDS_MIN_NODES = 8
 
 
@@ -79,6 +76,56 @@ class Solution:
     @property
     def throughput(self) -> float:
         return self.batch_size / self.step_time_s
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The usable nodes' stage times and the hops between them (client last)."""
+
+    comp: np.ndarray  # (K, L + 1): comp[j, l], inf at l = 0 and where l blocks do not fit
+    hop: np.ndarray  # (K + 1, K + 1)
+    caps: np.ndarray  # (K,): the most blocks each node holds
+
+    @property
+    def count(self) -> int:
+        return self.comp.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.comp.shape[1] - 1
+
+    def within(self, cycle: float) -> _Problem:
+        """The same problem with every stage and hop time above ``cycle`` masked out."""
+        comp = np.where(self.comp <= cycle, self.comp, np.inf)
+        return _Problem(comp, np.where(self.hop <= cycle, self.hop, np.inf), self.caps)
+
+
+@dataclass(frozen=True)
+class _Objective:
+    """How times combine along a placement (``op``: np.add or np.maximum) and what it costs.
+
+    With ``fill`` = M a placement of value C on n stages takes (M + n - 1) C, otherwise C;
+    ``max_stages`` caps n.
+    """
+
+    op: np.ufunc
+    fill: int | None = None
+    max_stages: int | None = None
+
+    @property
+    def layered(self) -> bool:
+        """Whether the tables need one layer per stage count (the cost or a cap depends on it)."""
+        return self.fill is not None or self.max_stages is not None
+
+    def depth(self, problem: _Problem) -> int:
+        """The number of layers of the tables."""
+        if not self.layered:
+            return 1
+        return min(self.max_stages or problem.count, problem.count, problem.num_blocks)
+
+    def scale(self, depth: int) -> np.ndarray:
+        """The factor of each stage count 1..depth."""
+        return np.ones(depth) if self.fill is None else self.fill + np.arange(depth)
 
 
 # ------------------------------------------------------------------------------------------ solve
@@ -103,329 +150,168 @@ def solve(
     model = step_model or StepModel(inputs, batch_size, micro_batches)
     full_comp, caps = model.comp_table()
     usable = np.flatnonzero(caps >= 1)
-    num_blocks = model.num_blocks
-    if caps[usable].sum() < num_blocks:
+    if caps[usable].sum() < model.num_blocks:
         return None
-    comp = full_comp[usable]  # (K, L + 1), a copy
+    comp = full_comp[usable]  # a copy
     comp[:, 0] = np.inf
     hop_index = np.append(usable, model.client)
-    hop = model.hop[np.ix_(hop_index, hop_index)]  # (K + 1, K + 1), client last
-    caps_u = caps[usable]
-    if micro_batches == 1:
-        found = _solve_sum(comp, hop, caps_u, num_blocks)
-        if found is None:
-            return None
-        step_time, path = found
-    else:
-        found = _solve_bottleneck(comp, hop, caps_u, num_blocks, micro_batches)
-        if found is None:
-            return None
-        step_time, path, cycle = found
-        if refine:
-            path = _refine(comp, hop, caps_u, num_blocks, cycle, len(path)) or path
+    problem = _Problem(comp, model.hop[np.ix_(hop_index, hop_index)], caps[usable])
+    objective = _Objective(np.add) if micro_batches == 1 else _Objective(np.maximum, fill=micro_batches)
+    found = _optimum(problem, objective)
+    if found is None:
+        return None
+    step_time, path, cycle = found
+    if refine and micro_batches > 1:
+        shorter = _optimum(problem.within(cycle), _Objective(np.add, max_stages=len(path)))
+        path = shorter[1] if shorter is not None else path
     assignment = [0] * model.num_nodes
     for j, blocks in path:
         assignment[int(usable[j])] = blocks
     return Solution(batch_size, micro_batches, assignment, step_time, len(path))
 
 
+def _optimum(problem: _Problem, objective: _Objective):
+    """(T_step, stages [(j, l), ...], the value C_n before scaling) of the best placement, or None.
+
+    Ties go to fewer stages (in layered tables), then to the earlier last node.
+    """
+    states, arrivals = _tables(problem, objective)
+    ends = _ends(problem, objective.op, states)  # [n - 1, j]
+    cycles = ends.min(axis=1)
+    values = objective.scale(cycles.size) * cycles
+    n = int(np.argmin(values))
+    if not math.isfinite(values[n]):
+        return None
+    j = int(np.argmin(ends[n]))
+    return float(values[n]), _walk_back(problem, objective, states, arrivals, j, n), float(cycles[n])
+
+
+def _ends(problem: _Problem, op, states: np.ndarray) -> np.ndarray:
+    """C per layer and last node: op(F[n, L, j], hop[j, client]) for states [j, n, k] (or [j, k])."""
+    return op(states[..., problem.num_blocks].T, problem.hop[: problem.count, problem.count])
+
+
+def _walk_back(problem: _Problem, objective: _Objective, states, arrivals, j: int, n: int) -> list[tuple[int, int]]:
+    """The stages [(j, l), ...] of the placement ending with node j in layer n, recomputing each argmin."""
+    op, shift = objective.op, int(objective.layered)
+    path = []
+    k = problem.num_blocks
+    while True:
+        l = _best_length(arrivals[j, n], problem.comp[j], int(problem.caps[j]), k, op)
+        path.append((j, l))
+        k -= l
+        if k == 0:  # F[., 0] is inf: the stage that starts at block 0 is entered from the client
+            break
+        n -= shift
+        j = int(np.argmin(op(states[:j, n, k], problem.hop[:j, j])))
+    path.reverse()
+    return path
+
+
 def _best_length(arrive: np.ndarray, comp: np.ndarray, cap: int, k: int, op) -> int:
-    """Backtracking: a stage length l (1..min(cap, k)) attaining min_l op(arrive[k - l], comp[l])."""
+    """A stage length l (1..min(cap, k)) attaining min_l op(arrive[k - l], comp[l])."""
     longest = min(cap, k)
     values = op(arrive[k - longest : k][::-1], comp[1 : longest + 1])  # l = 1..longest
     return int(np.argmin(values)) + 1
 
 
-def _solve_sum(comp: np.ndarray, hop: np.ndarray, caps: np.ndarray, num_blocks: int):
-    """M = 1: minimise hop(client, first) + sum(comp + hop to next). Returns (T_step, [(j, l), ...])."""
-    count = comp.shape[0]
-    client = count
-    size = num_blocks + 1
-    width = int(caps.max())
-    f = np.full((count, size), np.inf)
-    arrive = np.full((count, size), np.inf)
-    arrive[:, 0] = hop[client, :count]
-    pad = np.full(width + size, np.inf)
-    step = pad.strides[0]
-    windows = as_strided(pad, shape=(width, size), strides=(step, step))  # [t, k] = arrive[k - (width - t)]
-    reversed_comp = comp[:, width:0:-1, None]  # [j, t, 0]: l = width - t
-    buffer = np.empty((width, size))
-    into = np.empty((count, size))
-    for j in range(count):
-        a = arrive[j]
-        if j:
-            np.add(f[:j], hop[:j, j, None], out=into[:j])
-            np.minimum(a, into[:j].min(axis=0), out=a)
-        pad[width:] = a
-        cap = int(caps[j])
-        tmp = buffer[:cap]
-        np.add(windows[width - cap :], reversed_comp[j, width - cap :], out=tmp)
-        tmp.min(axis=0, out=f[j])
-    totals = f[:, num_blocks] + hop[:count, client]
-    last = int(np.argmin(totals))
-    best = float(totals[last])
-    if not math.isfinite(best):
-        return None
-    # walk back, recomputing each argmin with the same operations
-    path = []
-    j, k = last, num_blocks
-    while True:
-        l = _best_length(arrive[j], comp[j], int(caps[j]), k, np.add)
-        path.append((j, l))
-        k -= l
-        if k == 0:  # f[., 0] is inf: the stage that starts at block 0 is entered from the client
-            break
-        j = int(np.argmin(f[:j, k] + hop[:j, j]))
-    path.reverse()
-    return best, path
+# ----------------------------------------------------------------------------------- the tables
 
 
-def _solve_bottleneck(comp: np.ndarray, hop: np.ndarray, caps: np.ndarray, num_blocks: int, micro_batches: int):
-    """M >= 2: minimise (M + n - 1) * max(all stage and hop times). Returns (T_step, [(j, l), ...], cycle)."""
-    count = comp.shape[0]
-    client = count
-    size = num_blocks + 1
-    if count * size <= SMALL_LAYER_CELLS:
-        return _bottleneck_by_node(comp, hop, caps, num_blocks, micro_batches)
-    nodes = np.arange(count)
-    into = np.where(nodes[:, None] < nodes[None, :], hop[:count, :count], np.inf)  # into[p, j]: only p < j
-    out = hop[:count, client]
-    max_layers = min(count, num_blocks)
-    # lower bounds on the bottleneck of any placement on n' stages, n' = 1..max_layers
-    # (for a few nodes the layers are cheaper than the bounds: there they are left at 0)
-    bounded = count > PRUNE_BOUNDS_MIN_NODES
-    if bounded:
-        lower = np.maximum(_compute_bounds(comp, num_blocks, max_layers), _global_bottleneck(comp, hop, caps, num_blocks))
-    fill = micro_batches + np.arange(max_layers)  # M + n' - 1 for n' = 1..max_layers
-    step = _LargeLayers(comp, caps, into, size)
-
-    layers_f, layers_a = [], []
-    best, best_n, best_j, best_cycle = math.inf, 0, -1, math.inf
-    arrive = np.full((count, size), np.inf)
-    arrive[:, 0] = hop[client, :count]
-    for n in range(1, max_layers + 1):
-        first = n - 1  # node n - 1 is the first that can be the n-th active stage
-        if n > 1:
-            arrive = step.arrive(layers_f[-1], first)
-        f = step.stage(arrive, first)
-        ends = np.maximum(f[:, num_blocks], out)
-        j = int(np.argmin(ends))
-        value = fill[n - 1] * ends[j]
-        if value < best:
-            best, best_n, best_j, best_cycle = value, n, j, float(ends[j])
-        if n < max_layers and math.isfinite(best):
-            # a state whose bottleneck so far, times M + n (at least n + 1 stages), reaches the best
-            # cannot lead to a better plan; dropping it shrinks the row loops of the next layers
-            f[:, num_blocks] = np.inf
-            f[fill[n] * f >= best] = np.inf
-        layers_f.append(f)
-        layers_a.append(arrive)
-        if n == max_layers:
-            break
-        # a placement on n' > n stages: its first n stages are a state of this layer with k < L
-        partial = f[first:, :num_blocks].min()
-        if not math.isfinite(partial):
-            break
-        if bounded:
-            if np.min(fill[n:] * np.maximum(lower[n:], partial)) >= best:
-                break
-        elif fill[n] * partial >= best:
-            break
-    if not math.isfinite(best):
-        return None
-    path = []
-    j, k = best_j, num_blocks
-    for n in range(best_n, 0, -1):
-        l = _best_length(layers_a[n - 1][j], comp[j], int(caps[j]), k, np.maximum)
-        path.append((j, l))
-        k -= l
-        if n > 1:
-            j = int(np.argmin(np.maximum(layers_f[n - 2][:, k], into[:, j])))
-    path.reverse()
-    return best, path, best_cycle
+def _tables(problem: _Problem, objective: _Objective) -> tuple[np.ndarray, np.ndarray]:
+    """(F, arrive) as arrays [j, n - 1, k]; a layer-by-layer sweep may stop before the last layer."""
+    if objective.layered and problem.count * (problem.num_blocks + 1) > SMALL_LAYER_CELLS:
+        return _by_layer(problem, objective)
+    return _by_node(problem, objective)
 
 
-def _refine(comp: np.ndarray, hop: np.ndarray, caps: np.ndarray, num_blocks: int, cycle: float, max_stages: int):
-    """Among the placements on at most ``max_stages`` stages whose every stage and hop time is at
-    most ``cycle`` (all of them optimal for the bottleneck objective), the one with the smallest sum
-    of times, i.e. the shortest trip of one micro-batch. Returns [(j, l), ...] or None."""
-    count = comp.shape[0]
-    client = count
-    size = num_blocks + 1
-    comp = np.where(comp <= cycle, comp, np.inf)
-    hop = np.where(hop <= cycle, hop, np.inf)
-    if count * size <= SMALL_LAYER_CELLS:
-        found = _by_node(comp, hop, caps, num_blocks, np.add, max_stages)
-        if found is None:
-            return None
-        states, arrivals = found
-        totals = states[:, :, num_blocks] + hop[:count, client, None]  # [j, n - 1]
-        j, n = np.unravel_index(int(np.argmin(totals)), totals.shape)
-        if not math.isfinite(totals[j, n]):
-            return None
-        return _by_node_path(states, arrivals, comp, hop, caps, num_blocks, np.add, int(j), int(n))
-    nodes = np.arange(count)
-    into = np.where(nodes[:, None] < nodes[None, :], hop[:count, :count], np.inf)
-    step = _LargeLayers(comp, caps, into, size, op=np.add)
-    layers_f, layers_a = [], []
-    best, best_n, best_j = math.inf, 0, -1
-    arrive = np.full((count, size), np.inf)
-    arrive[:, 0] = hop[client, :count]
-    for n in range(1, min(max_stages, count, num_blocks) + 1):
-        if n > 1:
-            arrive = step.arrive(layers_f[-1], n - 1)
-        f = step.stage(arrive, n - 1)
-        totals = f[:, num_blocks] + hop[:count, client]
-        j = int(np.argmin(totals))
-        if totals[j] < best:
-            best, best_n, best_j = float(totals[j]), n, j
-        layers_f.append(f)
-        layers_a.append(arrive)
-    if not math.isfinite(best):
-        return None
-    path = []
-    j, k = best_j, num_blocks
-    for n in range(best_n, 0, -1):
-        l = _best_length(layers_a[n - 1][j], comp[j], int(caps[j]), k, np.add)
-        path.append((j, l))
-        k -= l
-        if n > 1:
-            j = int(np.argmin(layers_f[n - 2][:, k] + into[:, j]))
-    path.reverse()
-    return path
+class _Stage:
+    """The stage step F[r, k] = min over l = 1..cap of op(arrive[r, k - l], comp[r, l]) for rows of
+    arrivals, through one padded buffer per sweep (rows at most ``rows``, cap at most ``width``)."""
+
+    def __init__(self, op, rows: int, width: int, size: int):
+        self.op, self.width = op, width
+        self.pad = np.full((rows, width + size), np.inf)
+        row, col = self.pad.strides
+        # windows[t, r, k] = pad[r, k + t] = arrive[r, k - l] with l = width - t
+        self.windows = as_strided(self.pad, shape=(width, rows, size), strides=(col, row, col))
+
+    def __call__(self, arrive: np.ndarray, comp: np.ndarray, cap: int) -> np.ndarray:
+        """F for arrive (R, S <= size) and comp (R or 1, L + 1)."""
+        rows, size = arrive.shape
+        self.pad[:rows, self.width : self.width + size] = arrive
+        return self.op(self.windows[self.width - cap :, :rows, :size], comp[:, cap:0:-1].T[:, :, None]).min(axis=0)
 
 
-def _by_node(comp: np.ndarray, hop: np.ndarray, caps: np.ndarray, num_blocks: int, op, max_stages: int):
-    """The layered DP computed node by node, all stage counts at once (small K x L).
+def _enter(op, states: np.ndarray, hops: np.ndarray) -> np.ndarray:
+    """arrive[x, k] = min over p of op(states[p, x, k], hops[p, x]) (either may broadcast over x)."""
+    return op(states, hops[:, :, None]).min(axis=0)
 
-    states[j, n - 1, k] = best value (op = max: bottleneck, op = +: sum) of a placement of blocks
-    [0, k) on exactly n active stages, the last one node j, its outgoing hop excluded;
-    arrivals[j, n - 1, k] = the same just before node j's stage. Node j can only be the n-th stage
-    for n <= j + 1, and each node's stage step is as wide as its own capacity. Returns
-    (states, arrivals) or None when no stage count fits.
-    """
-    count = comp.shape[0]
-    client = count
-    size = num_blocks + 1
-    depth = min(max_stages, count, num_blocks)
-    if depth < 1:
-        return None
-    width = int(caps.max())
-    states = np.full((count, depth, size), np.inf)
-    arrivals = np.full((count, depth, size), np.inf)
-    pad = np.full((depth, width + size), np.inf)
-    stride = pad.strides
-    # windows[t, n, k] = pad[n, k + t] = arrival[n, k - l] with l = width - t; l leads, so the min
-    # over it runs over whole contiguous (n, k) planes
-    windows = as_strided(pad, shape=(width, depth, size), strides=(stride[1], stride[0], stride[1]))
-    buffer = np.empty((width, depth, size))
-    hop_buffer = np.empty((count, depth, size))
-    for j in range(count):
+
+def _by_node(problem: _Problem, objective: _Objective) -> tuple[np.ndarray, np.ndarray]:
+    """The tables node by node, every layer at once."""
+    op, count, hop, comp = objective.op, problem.count, problem.hop, problem.comp
+    depth, shift = objective.depth(problem), int(objective.layered)
+    states = np.full((count, depth, problem.num_blocks + 1), np.inf)
+    arrivals = np.full(states.shape, np.inf)
+    arrivals[:, 0, 0] = hop[count, :count]
+    stage = _Stage(op, depth, int(problem.caps.max()), problem.num_blocks + 1)
+    for j, cap in enumerate(problem.caps.tolist()):
         top = min(j + 1, depth)  # node j is at most the (j + 1)-th stage
-        arrival = arrivals[j]
-        arrival[0, 0] = hop[client, j]
-        if j and top > 1:
-            tmp = hop_buffer[:j, : top - 1]
-            op(states[:j, : top - 1], hop[:j, j, None, None], out=tmp)
-            tmp.min(axis=0, out=arrival[1:top])
-        cap = int(caps[j])
-        pad[:top, width:] = arrival[:top]
-        tmp = buffer[:cap, :top]
-        op(windows[width - cap :, :top], comp[j, cap:0:-1, None, None], out=tmp)
-        tmp.min(axis=0, out=states[j, :top])
+        if j and top > shift:
+            target = arrivals[j, shift:top]
+            np.minimum(target, _enter(op, states[:j, : top - shift], hop[:j, j, None]), out=target)
+        states[j, :top] = stage(arrivals[j, :top], comp[j, None], cap)
     return states, arrivals
 
 
-def _by_node_path(states, arrivals, comp, hop, caps, num_blocks: int, op, j: int, n: int) -> list[tuple[int, int]]:
-    """Walk back from node j as the (n + 1)-th stage ending at block L."""
-    path = []
-    k = num_blocks
-    while True:
-        l = _best_length(arrivals[j, n], comp[j], int(caps[j]), k, op)
-        path.append((j, l))
-        k -= l
-        if n == 0:
+def _by_layer(problem: _Problem, objective: _Objective) -> tuple[np.ndarray, np.ndarray]:
+    """The layered tables one stage count at a time, all nodes at once, while a deeper layer can still win."""
+    op, count, hop, num_blocks = objective.op, problem.count, problem.hop, problem.num_blocks
+    depth = objective.depth(problem)
+    scale = objective.scale(depth)
+    lower = _lower_bounds(problem, depth) if count > PRUNE_BOUNDS_MIN_NODES else np.zeros(depth)
+    into = np.where(np.triu(np.ones((count, count), bool), 1), hop[:count, :count], np.inf)  # only p < j
+    width = int(problem.caps.max())
+    stage = _Stage(op, count, width, num_blocks + 1)
+    states = np.empty((depth, count, num_blocks + 1))
+    arrivals = np.empty(states.shape)
+    arrivals[0] = np.inf
+    arrivals[0, :, 0] = hop[count, :count]
+    best = math.inf
+    for n in range(depth):  # layer n: n + 1 stages
+        if n:
+            arrivals[n] = np.inf
+            rows, cols = _finite_span(states[n - 1, :, :num_blocks])
+            arrivals[n, :, cols] = _enter(op, states[n - 1, rows, None, cols], into[rows])
+        rows, cols = _finite_span(arrivals[n])
+        states[n] = np.inf
+        states[n, rows, cols.start :] = stage(arrivals[n, rows, cols.start :], problem.comp[rows], width)
+        f = states[n]
+        best = min(best, scale[n] * _ends(problem, op, f).min())
+        if n + 1 == depth:
             break
-        j = int(np.argmin(op(states[:j, n - 1, k], hop[:j, j])))
-        n -= 1
-    path.reverse()
-    return path
+        head = f[:, :num_blocks]
+        head[scale[n + 1] * head >= best] = np.inf  # such a state cannot lead to a better plan
+        partial = head.min()
+        if not math.isfinite(partial) or np.min(scale[n + 1 :] * np.maximum(lower[n + 1 :], partial)) >= best:
+            break
+    return states[: n + 1].transpose(1, 0, 2), arrivals[: n + 1].transpose(1, 0, 2)
 
 
-def _bottleneck_by_node(comp: np.ndarray, hop: np.ndarray, caps: np.ndarray, num_blocks: int, micro_batches: int):
-    """``_solve_bottleneck`` for small K x L: every stage count at once, node by node."""
-    count = comp.shape[0]
-    found = _by_node(comp, hop, caps, num_blocks, np.maximum, count)
-    if found is None:
-        return None
-    states, arrivals = found
-    ends = np.maximum(states[:, :, num_blocks], hop[:count, count, None])  # [j, n - 1]: the bottleneck
-    cycles = ends.min(axis=0)
-    values = (micro_batches + np.arange(cycles.size)) * cycles  # (M + n - 1) * C_n
-    n = int(np.argmin(values))
-    if not math.isfinite(values[n]):
-        return None
-    j = int(np.argmin(ends[:, n]))
-    path = _by_node_path(states, arrivals, comp, hop, caps, num_blocks, np.maximum, j, n)
-    return float(values[n]), path, float(cycles[n])
+def _finite_span(values: np.ndarray) -> tuple[np.ndarray, slice]:
+    """The rows with a finite entry and the columns from the first finite entry to the last."""
+    finite = np.isfinite(values)
+    rows = np.flatnonzero(finite.any(axis=1))
+    cols = np.flatnonzero(finite.any(axis=0))
+    return rows, slice(int(cols[0]), int(cols[-1]) + 1) if cols.size else slice(0, 0)
 
 
-class _LargeLayers:
-    """One layer of a layered DP as loops of row operations (large K x L): only p < j is touched
-    in the hop step, and only nodes that can hold l blocks in the stage step. ``op`` combines a
-    state with a stage or hop time: max for the bottleneck DP, + for the refinement's sum."""
-
-    def __init__(self, comp: np.ndarray, caps: np.ndarray, into: np.ndarray, size: int, op=np.maximum):
-        count = comp.shape[0]
-        self.op = op
-        self.size = size
-        self.into = into
-        self.order = np.argsort(-caps, kind="stable")  # stage step: rows by capacity, largest first
-        self.comp_sorted = comp[self.order]
-        self.holders = np.searchsorted(-caps[self.order], -np.arange(int(caps.max()) + 1), side="right")  # nodes with cap >= l
-        self.buffer = np.empty((count, size))
-
-    def arrive(self, prev: np.ndarray, first: int) -> np.ndarray:
-        count = prev.shape[0]
-        out = np.full(prev.shape, np.inf)
-        finite = np.isfinite(prev)
-        rows = np.flatnonzero(finite.any(axis=1))
-        if rows.size == 0:
-            return out
-        size = prev.shape[1]
-        starts = finite.argmax(axis=1)
-        stops = size - finite[:, ::-1].argmax(axis=1)
-        for p in rows:
-            if p + 1 >= count:
-                continue
-            lo, hi = int(starts[p]), int(stops[p])
-            tmp = self.buffer[: count - p - 1, : hi - lo]
-            self.op(prev[p, None, lo:hi], self.into[p, p + 1 :, None], out=tmp)
-            target = out[p + 1 :, lo:hi]
-            np.minimum(target, tmp, out=target)
-        return out
-
-    def stage(self, arrive: np.ndarray, first: int) -> np.ndarray:
-        size = self.size
-        source = arrive[self.order]
-        finite = np.isfinite(source)
-        f = np.full(arrive.shape, np.inf)
-        cols = np.flatnonzero(finite.any(axis=0))
-        if cols.size == 0:
-            return f
-        c0, c1 = int(cols[0]), int(cols[-1]) + 1
-        for l in range(1, len(self.holders)):
-            rows = int(self.holders[l])
-            stop = min(c1, size - l)
-            if rows == 0 or stop <= c0:
-                break
-            tmp = self.buffer[:rows, : stop - c0]
-            self.op(source[:rows, c0:stop], self.comp_sorted[:rows, l, None], out=tmp)
-            target = f[:rows, c0 + l : stop + l]
-            np.minimum(target, tmp, out=target)
-        result = np.empty_like(f)
-        result[self.order] = f
-        return result
+def _lower_bounds(problem: _Problem, depth: int) -> np.ndarray:
+    """lower[n - 1] <= the bottleneck (so also the sum of times) of any placement on n stages."""
+    states, _ = _by_node(problem, _Objective(np.maximum))  # any number of stages
+    best_any = _ends(problem, np.maximum, states).min()
+    return np.maximum(_compute_bounds(problem.comp, problem.num_blocks, depth), best_any)
 
 
 def _compute_bounds(comp: np.ndarray, num_blocks: int, max_layers: int, grid_size: int = 256) -> np.ndarray:
@@ -449,30 +335,3 @@ def _compute_bounds(comp: np.ndarray, num_blocks: int, max_layers: int, grid_siz
     bound = np.where(short > 0, grid[np.maximum(short - 1, 0)], 0.0)  # the true minimum is above it
     bound[short == grid.size] = np.inf  # n' stages cannot hold the model at all
     return bound
-
-
-def _global_bottleneck(comp: np.ndarray, hop: np.ndarray, caps: np.ndarray, num_blocks: int) -> float:
-    """The smallest possible max(stage and hop times) over any number of stages (a bound for pruning)."""
-    count = comp.shape[0]
-    client = count
-    size = num_blocks + 1
-    width = int(caps.max())
-    f = np.full((count, size), np.inf)
-    pad = np.full(width + size, np.inf)
-    step = pad.strides[0]
-    windows = as_strided(pad, shape=(width, size), strides=(step, step))
-    reversed_comp = comp[:, width:0:-1, None]
-    buffer = np.empty((width, size))
-    into = np.empty((count, size))
-    for j in range(count):
-        a = np.full(size, np.inf)
-        a[0] = hop[client, j]
-        if j:
-            np.maximum(f[:j], hop[:j, j, None], out=into[:j])
-            np.minimum(a, into[:j].min(axis=0), out=a)
-        pad[width:] = a
-        cap = int(caps[j])
-        tmp = buffer[:cap]
-        np.maximum(windows[width - cap :], reversed_comp[j, width - cap :], out=tmp)
-        tmp.min(axis=0, out=f[j])
-    return float(np.maximum(f[:, num_blocks], hop[:count, client]).min())

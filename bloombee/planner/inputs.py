@@ -11,6 +11,7 @@ Every model forbids unknown keys, so a typo is reported with the field's path
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,25 +73,22 @@ class ModelSpec(_Strict):
         return self
 
     def weight_bytes(self, dtype: str) -> float:
-        if self.weight_bytes_per_block is not None:
-            return float(self.weight_bytes_per_block)
-        return float(self.params_per_block * DTYPE_BYTES[dtype])
+        return _given_or_sized(self.weight_bytes_per_block, (self.params_per_block,), dtype)
 
     def kv_bytes_per_token(self, dtype: str) -> float:
-        if self.kv_bytes_per_token_per_block is not None:
-            return float(self.kv_bytes_per_token_per_block)
-        return float(2 * self.num_key_value_heads * self.head_dim * DTYPE_BYTES[dtype])
+        return _given_or_sized(self.kv_bytes_per_token_per_block, (2, self.num_key_value_heads, self.head_dim), dtype)
 
     def activation_bytes(self, dtype: str) -> float:
-        if self.activation_bytes_per_token is not None:
-            return float(self.activation_bytes_per_token)
-        return float(self.hidden_size * DTYPE_BYTES[dtype])
+        return _given_or_sized(self.activation_bytes_per_token, (self.hidden_size,), dtype)
 
     def workspace_bytes(self, dtype: str) -> float:
-        if self.workspace_bytes_per_token is not None:
-            return float(self.workspace_bytes_per_token)
         intermediate = self.intermediate_size if self.intermediate_size is not None else 4 * self.hidden_size
-        return float((4 * self.hidden_size + 2 * intermediate) * DTYPE_BYTES[dtype])
+        return _given_or_sized(self.workspace_bytes_per_token, (4 * self.hidden_size + 2 * intermediate,), dtype)
+
+
+def _given_or_sized(given: int | None, factors: tuple[int | None, ...], dtype: str) -> float:
+    """``given`` bytes if set, else as many values of ``dtype`` as the product of ``factors``."""
+    return float(given) if given is not None else float(math.prod(factors) * DTYPE_BYTES[dtype])
 
 
 # ------------------------------------------------------------------------------------------ workload

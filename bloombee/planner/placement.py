@@ -1,8 +1,6 @@
-"""From plans to servers and back: a node's block range in a plan, a swarm's servers as planner nodes."""
+"""From plans to servers and back: a node's block range in a plan, a swarm's ranges as an assignment."""
 
 from typing import Any
-
-from bloombee.dht.records import ServerRecord, ServerState
 
 
 def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
@@ -17,19 +15,6 @@ def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
         raise ValueError(f"the plan gives node {node!r} no blocks (it is skipped); do not start it, or plan again")
     start = sum(assignment[:index])
     return start, start + assignment[index], float(report["plan"]["alphas"][index])
-
-
-def swarm_nodes(servers: dict[str, ServerRecord]) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
-    """Planner nodes of the online servers with a profile, in pipeline order, and their current ranges."""
-    online = [(record.start_block, peer_id, record) for peer_id, record in servers.items()
-              if record.state == ServerState.ONLINE and record.profile is not None]
-    online.sort()
-    nodes, ranges = [], []
-    for _, peer_id, record in online:
-        name = record.public_name or peer_id
-        nodes.append({**record.profile, "name": name})
-        ranges.append((name, record.start_block, record.end_block))
-    return nodes, ranges
 
 
 def current_assignment(ranges: list[tuple[str, int, int]], num_blocks: int) -> tuple[list[int] | None, str]:

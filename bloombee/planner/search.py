@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from .costs import StepModel, micro_batch_size
-from .dp import solve
+from .dp import Solution, solve
 from .evaluate import Evaluation, evaluate
 from .inputs import GIB, PlanInputs
 
@@ -69,21 +69,32 @@ def plan(inputs: PlanInputs) -> Plan:
 
     Highest throughput wins; ties go to fewer active stages, then fewer micro-batches, then the
     smaller batch. With micro-batching the winner's assignment is then refined (``solve(...,
-    refine=True)``) to an equally fast one whose stage and hop times add up least. Raises PlanInfeasibleError (saying which constraint binds) if
-    nothing fits.
+    refine=True)``) to an equally fast one whose stage and hop times add up least. Raises
+    PlanInfeasibleError (saying which constraint binds) if nothing fits.
     """
     started = time.perf_counter()
+    candidates, solution, model = search_candidates(inputs, solve)
+    if solution.micro_batches > 1:
+        # among the assignments with this optimal throughput, the one with the shortest micro-batch trip
+        solution = solve(inputs, solution.batch_size, solution.micro_batches, step_model=model, refine=True)
+    return plan_from(inputs, solution, model, candidates, solve_seconds=time.perf_counter() - started)
+
+
+def search_candidates(inputs: PlanInputs, solver) -> tuple[list[Candidate], Solution, StepModel]:
+    """Every candidate (B, M) solved by ``solver(inputs, B, M, step_model=...)``, the best solution and its model.
+
+    The ranking is ``plan``'s; raises PlanInfeasibleError if no candidate has a solution.
+    """
     candidates: list[Candidate] = []
     best: tuple | None = None
     for batch_size in inputs.workload.batch_sizes:
         for micro_batches in inputs.workload.micro_batches:
             if micro_batches > batch_size:
-                candidates.append(
-                    Candidate(batch_size, micro_batches, None, None, f"micro_batches {micro_batches} > batch_size {batch_size}")
-                )
+                reason = f"micro_batches {micro_batches} > batch_size {batch_size}"
+                candidates.append(Candidate(batch_size, micro_batches, None, None, reason))
                 continue
             model = StepModel(inputs, batch_size, micro_batches)
-            solution = solve(inputs, batch_size, micro_batches, step_model=model)
+            solution = solver(inputs, batch_size, micro_batches, step_model=model)
             if solution is None:
                 candidates.append(Candidate(batch_size, micro_batches, None, None, capacity_report(model)))
                 continue
@@ -93,11 +104,12 @@ def plan(inputs: PlanInputs) -> Plan:
                 best = (key, solution, model)
     if best is None:
         raise PlanInfeasibleError(infeasible_message(inputs))
-    _, solution, model = best
-    if solution.micro_batches > 1:
-        # among the assignments with this optimal throughput, the one with the shortest micro-batch trip
-        solution = solve(inputs, solution.batch_size, solution.micro_batches, step_model=model, refine=True)
-    elapsed = time.perf_counter() - started
+    return candidates, best[1], best[2]
+
+
+def plan_from(inputs: PlanInputs, solution: Solution, model: StepModel, candidates: list[Candidate],
+              solve_seconds: float = 0.0) -> Plan:
+    """The plan of ``solution``, scored by ``evaluate``."""
     evaluation = evaluate(inputs, solution.assignment, solution.batch_size, solution.micro_batches, step_model=model)
     return Plan(
         assignment=solution.assignment,
@@ -107,7 +119,7 @@ def plan(inputs: PlanInputs) -> Plan:
         throughput=evaluation.throughput,
         evaluation=evaluation,
         candidates=candidates,
-        solve_seconds=elapsed,
+        solve_seconds=solve_seconds,
     )
 
 

@@ -6,21 +6,25 @@ LLaMA-30B (huggyllama/llama-30b: 60 blocks, hidden 6656, MLP 17920, 52 heads) on
 - E1-E5: three RTX 5090 nodes; links of 45 Gbps (E1), 500, 250, 125 and 20 Mbps (E2-E5);
 - E6: an A100 80GB in California and RTX 4090s in New Jersey and Canada, with the paper's Table 3
   bandwidth matrix.
-Per-block cost tables come from bloombee.planner.hardware.derive_cost_table (roofline from each
+Per-block cost tables come from examples/hardware.py's derive_cost_table (roofline from each
 GPU's memory bandwidth and FLOPs, calibrated to the paper's measured ~35 ms for 20 LLaMA-30B blocks
 on a 5090). See README.md for every assumption.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
 from transformers import LlamaConfig
 
-from bloombee.planner.hardware import GPUS, derive_cost_table
 from bloombee.planner.inputs import ModelSpec
 from bloombee.planner.model_config import model_section_from_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for examples/
+
+from examples.hardware import GPUS, derive_cost_table
 
 HERE = Path(__file__).resolve().parent
 

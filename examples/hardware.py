@@ -1,6 +1,6 @@
-"""Plausible per-block cost tables derived from a GPU's memory bandwidth and FLOPs.
+"""Example hardware: common GPUs and plausible per-block cost tables from their bandwidth and FLOPs.
 
-For when no profile has been measured yet (the examples, the benchmarks). One decoding step of one
+For when no profile has been measured (examples/plans, the swarms of examples/swarms.py). One decoding step of one
 block for a micro-batch of b sequences at context length s, roofline style:
 
     t_mlp(b)      = o_gpu + max(P * d / (eta_bw * BW),  2 * P * b / (eta_f * F))
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .inputs import DTYPE_BYTES, ModelSpec
+from bloombee.planner.inputs import DTYPE_BYTES, ModelSpec
 
 ETA_BW = 0.4
 ETA_FLOPS = 0.5

@@ -1,0 +1,18 @@
+"""The live swarm as planner input: online servers' DHT records as planner nodes, with their current ranges."""
+
+from typing import Any
+
+from bloombee.dht.records import ServerRecord, ServerState
+
+
+def swarm_nodes(servers: dict[str, ServerRecord]) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
+    """Planner nodes of the online servers with a profile, in pipeline order, and their current ranges."""
+    online = [(record.start_block, peer_id, record) for peer_id, record in servers.items()
+              if record.state == ServerState.ONLINE and record.profile is not None]
+    online.sort()
+    nodes, ranges = [], []
+    for _, peer_id, record in online:
+        name = record.public_name or peer_id
+        nodes.append({**record.profile, "name": name})
+        ranges.append((name, record.start_block, record.end_block))
+    return nodes, ranges

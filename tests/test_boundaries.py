@@ -1,0 +1,52 @@
+"""Package boundaries: which parts of bloombee may import which (read from the source, imports inside functions too)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bloombee"
+
+# part -> modules it must never import (a prefix matches the module and everything below it)
+FORBIDDEN = {
+    "client": ("bloombee.server",),
+    "planner": ("bloombee.dht", "bloombee.client", "bloombee.server", "hivemind"),
+    "protocol": ("bloombee.client", "bloombee.server"),
+    "codec": ("bloombee.client", "bloombee.server", "bloombee.protocol", "hivemind"),
+    "models": ("bloombee.client", "bloombee.server", "bloombee.dht", "hivemind"),
+}
+
+
+def imported_modules(path: Path, root: Path = PACKAGE.parent) -> set[str]:
+    """Every absolute module a file imports, resolving relative imports against its package."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            found.add(module)
+    return found
+
+
+def violations(part: str) -> list[str]:
+    bad = []
+    for path in sorted((PACKAGE / part).rglob("*.py")):
+        for module in imported_modules(path):
+            if any(module == banned or module.startswith(banned + ".") for banned in FORBIDDEN[part]):
+                bad.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_part_does_not_import_what_it_must_not(part):
+    assert violations(part) == []
+
+
+def test_the_check_sees_relative_and_function_level_imports(tmp_path):
+    module = tmp_path / "bloombee" / "client" / "thing.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("from .routing import x\nfrom ..server import handler\n\ndef f():\n    import bloombee.dht.records\n")
+    assert imported_modules(module, tmp_path) == {"bloombee.client.routing", "bloombee.server", "bloombee.dht.records"}
