@@ -3,7 +3,7 @@
 import os
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ENV_PREFIX = "BLOOMBEE_"
 
@@ -19,6 +19,8 @@ class ServerSettings(BaseModel):
     max_length: int = Field(4096, ge=1, description="longest sequence (prompt + generated) one session may open")
     cache_tokens: int = Field(65536, ge=1, description="KV-cache budget of the server in batch x length tokens")
     session_timeout: float = Field(300.0, gt=0, description="seconds a session may stay idle before its cache is freed")
+    push_buffer_bytes: int = Field(32 << 20, ge=1, description="bytes a session may queue for the next server "
+                                   "before its pipeline waits (back-pressure)")
     announce_period: float = Field(5.0, gt=0, description="seconds between DHT announcements")
     rebalance_period: float = Field(60.0, gt=0, description="seconds between checks whether other blocks need us more")
     balance_quality: float = Field(1.25, ge=1.0, description="move to other blocks only if swarm throughput grows by this factor")
@@ -38,6 +40,15 @@ class ClientSettings(BaseModel):
     hop_penalty_seconds: float = Field(0.02, ge=0, description="extra cost per hop, to prefer shorter chains")
     link_bandwidth_mbps: float = Field(100.0, gt=0, description="this machine's link speed, Mbit/s")
     compression: Literal["auto", "on", "off"] = "auto"
+    micro_batches: Literal["auto"] | int = Field("auto", description="micro-batches per step: auto (the planner's "
+                                                 "model of the chain decides) or a count; 1 = off")
+
+    @field_validator("micro_batches")
+    @classmethod
+    def _positive(cls, value):
+        if value != "auto" and value < 1:
+            raise ValueError("micro_batches must be auto or a count of at least 1")
+        return value
 
 
 def load_settings(cls: type[SettingsT], overrides: dict[str, Any] | None = None) -> SettingsT:

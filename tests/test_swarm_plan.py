@@ -70,7 +70,7 @@ def test_plan_for_the_live_swarm_and_follow_it(swarm, tmp_path):
 
 
 def test_servers_without_a_profile_are_left_out_of_the_plan(swarm):
-    swarm.add_server("--blocks", "0:8", "--dtype", "float32", name="plain")
+    swarm.add_server("--blocks", "0:8", "--dtype", "float32", "--no-profile", name="plain")
     result = subprocess.run([sys.executable, "-m", "bloombee.cli.plan", "--initial-peers", *swarm.initial_peers,
                              "--model", swarm.model, "--batch-sizes", "1"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     blocks.add_argument("--plan", help="serve the blocks a `bloombee-plan --json` output gives --node")
     parser.add_argument("--node", help="this server's node name in --plan")
     parser.add_argument("--profile", nargs="?", const="bloombee-profile.yaml", default=None, metavar="PATH",
-                        help="measure this server's planner profile, write it (default bloombee-profile.yaml) and announce it")
+                        help="also write this server's planner profile to PATH (default bloombee-profile.yaml)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="do not measure and announce the planner profile (per-block cost table, memory, codec) "
+                             "that bloombee-plan and the clients' micro_batches=auto use; measured once, then cached")
     parser.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
                         public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
-                        profile_path=args.profile)
+                        profile=not args.no_profile, profile_path=args.profile)
         asyncio.run(server.run())
     finally:
         dht.shutdown()

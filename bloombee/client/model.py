@@ -47,8 +47,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if dht is None:
             dht = start_dht(initial_peers, client_mode=True)
         client_settings = load_settings(ClientSettings, settings)
-        remote = RemoteSequential(dht, dht_prefix(model), config.num_hidden_layers, config.hidden_size,
-                                  client_settings, str(model), allowed_servers, blocked_servers)
+        remote = RemoteSequential(dht, dht_prefix(model), config, client_settings, str(model), allowed_servers,
+                                  blocked_servers)
         instance = cls(config, head, remote)
         if (path / "generation_config.json").exists():
             instance.generation_config = GenerationConfig.from_pretrained(path)

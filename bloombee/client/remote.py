@@ -7,6 +7,7 @@ import hivemind
 import torch
 
 from bloombee.client.loop import run_sync
+from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager
 from bloombee.client.session import InferenceSession
 from bloombee.client.spans import RequestRejected
@@ -22,10 +23,12 @@ logger = logging.getLogger(__name__)
 class RemoteSequential:
     """Blocks 0..L-1 of a model, reached through the DHT-announced servers of the swarm."""
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, hidden_size: int, settings: ClientSettings,
-                 model_name: str = "", allowed_servers: list[str] | None = None, blocked_servers: list[str] | None = None):
-        self.dht, self.settings, self.hidden_size = dht, settings, hidden_size
-        self.manager = SequenceManager(dht, prefix, num_blocks, hidden_size, settings, model_name, allowed_servers, blocked_servers)
+    def __init__(self, dht: hivemind.DHT, prefix: str, config, settings: ClientSettings, model_name: str = "",
+                 allowed_servers: list[str] | None = None, blocked_servers: list[str] | None = None):
+        self.dht, self.settings, self.hidden_size = dht, settings, config.hidden_size
+        self.manager = SequenceManager(dht, prefix, config.num_hidden_layers, config.hidden_size, settings, model_name,
+                                       allowed_servers, blocked_servers)
+        self.choose_micro_batches = MicroBatchChooser(config, settings.link_bandwidth_mbps, settings.compression)
         self.p2p = run_sync(dht.replicate_p2p())
         self._policies: dict[str, CompressionPolicy] = {}
 
@@ -43,7 +46,7 @@ class RemoteSequential:
     def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
         """Open a session along the best chain; close it (or use it as a context manager) when done."""
         session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings,
-                                   self.policy_for, self.link_bandwidth)
+                                   self.policy_for, self.link_bandwidth, self.choose_micro_batches)
         return session.open()
 
     def server_info(self, peer_id: str) -> dict:

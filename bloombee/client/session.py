@@ -16,6 +16,7 @@ from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
 from bloombee.codec.policy import Ewma
 from bloombee.dht.records import ServerRecord
 from bloombee.protocol import (
+    EncodedTensors,
     ErrorKind,
     Hop,
     HopReport,
@@ -32,6 +33,20 @@ from bloombee.settings import ClientSettings
 logger = logging.getLogger(__name__)
 
 
+SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "compute_s", "encode_s")  # HopReport fields added up over micro-batches
+
+
+def split_rows(batch: int, parts: int) -> list[tuple[int, int]]:
+    """(first row, rows) of `parts` micro-batches as even as possible, the larger ones first."""
+    size, extra = divmod(batch, parts)
+    bounds, first = [], 0
+    for index in range(parts):
+        rows = size + (index < extra)
+        bounds.append((first, rows))
+        first += rows
+    return bounds
+
+
 @dataclass
 class StepStats:
     """Where one step's time and bytes went: the client's side and each server's report."""
@@ -43,7 +58,25 @@ class StepStats:
     sent_wire_bytes: int = 0
     received_wire_bytes: int = 0
     total_s: float = 0.0
-    reports: list[HopReport] = field(default_factory=list)  # one per server, in chain order
+    micro_batches: int = 1
+    reports: list[HopReport] = field(default_factory=list)  # one per server, in chain order, summed over micro-batches
+
+    def add_sent(self, encoded: EncodedTensors) -> None:
+        if not self.sent_raw_bytes:
+            self.client_layout = encoded.layout
+        self.client_encode_s += encoded.seconds
+        self.sent_raw_bytes += encoded.raw_bytes
+        self.sent_wire_bytes += encoded.wire_bytes
+
+    def add_received(self, reports: tuple[HopReport, ...], decode_s: float, wire_bytes: int) -> None:
+        """One micro-batch's output arrived with every server's report of it."""
+        self.client_decode_s += decode_s
+        self.received_wire_bytes += wire_bytes
+        if not self.reports:
+            self.reports = list(reports)
+            return
+        self.reports = [mine.model_copy(update={name: getattr(mine, name) + getattr(theirs, name) for name in SUMMED})
+                        for mine, theirs in zip(self.reports, reports)]
 
 
 class InferenceSession:
@@ -56,8 +89,10 @@ class InferenceSession:
     """
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
-                 settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], link_bandwidth: float):
+                 settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], link_bandwidth: float,
+                 choose_micro_batches: Callable[[list[Span], int, int, int], int]):
         self.manager, self.p2p, self.settings = manager, p2p, settings
+        self.choose_micro_batches = choose_micro_batches
         self.policy_for, self.link_bandwidth = policy_for, link_bandwidth
         self.max_length, self.batch_size = max_length, batch_size
         self.position = 0
@@ -162,7 +197,7 @@ class InferenceSession:
         raise AssertionError("unreachable")
 
     async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool) -> torch.Tensor | None:
-        """Send one step to the first server of `chain`; wait for the last one's output (or ack)."""
+        """Send one step to the first server of `chain` as micro-batches; gather the last server's outputs (or acks)."""
         began = time.perf_counter()
         step_id = self._next_step_id()
         route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
@@ -170,19 +205,34 @@ class InferenceSession:
                           decode_speed=self._policy(stream).measured_decompress_speed) for stream in chain[1:])
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
                             reply_decode_speed=self._own_decode_speed.value)
-        tensors = {"hidden": hidden}
-        if not bool(mask.all()):
-            tensors["token_mask"] = mask
-        encoded = encode_tensors(tensors, self._policy(chain[0]))
-        await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=header), encoded.frames))
-        stats = StepStats(client_encode_s=encoded.seconds, client_layout=encoded.layout, sent_raw_bytes=encoded.raw_bytes,
-                          sent_wire_bytes=encoded.wire_bytes)
-        output = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, stats)
+        parts = split_rows(hidden.shape[0], self.micro_batches_for(chain, hidden.shape[1], start + hidden.shape[1]))
+        stats = StepStats(micro_batches=len(parts))
+        loop = asyncio.get_running_loop()
+        for offset, size in parts:
+            tensors = {"hidden": hidden[offset:offset + size]}
+            if not bool(mask[offset:offset + size].all()):
+                tensors["token_mask"] = mask[offset:offset + size]
+            encoded = await loop.run_in_executor(None, encode_tensors, tensors, self._policy(chain[0]))
+            step = header.model_copy(update={"batch_offset": offset})
+            await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=step), encoded.frames))
+            stats.add_sent(encoded)
+        outputs = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, stats,
+                                    [offset for offset, _ in parts])
         stats.total_s = time.perf_counter() - began
         self.last_step = stats
-        if reply:
-            self._learn_decode_speeds(chain, stats)
-        return output
+        if not reply:
+            return None
+        self._learn_decode_speeds(chain, stats)
+        return torch.cat([outputs[offset] for offset, _ in parts]) if len(parts) > 1 else outputs[0]
+
+    def micro_batches_for(self, chain: list[SpanStream], num_tokens: int, context: int) -> int:
+        """How many micro-batches a step of `num_tokens` tokens per row (over `context` cached ones) goes in."""
+        if self.batch_size == 1 or not all("micro_batches" in stream.span.record.features for stream in chain):
+            return 1
+        wanted = self.settings.micro_batches
+        if wanted == "auto":
+            wanted = self.choose_micro_batches([stream.span for stream in chain], self.batch_size, num_tokens, context)
+        return max(1, min(int(wanted), self.batch_size))
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:
         return self.policy_for(stream.span.peer_id, stream.span.record)
@@ -199,16 +249,19 @@ class InferenceSession:
         if layout != "raw" and stats.client_decode_s > 0:
             self._own_decode_speed.update(raw_bytes / stats.client_decode_s)
 
-    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, stats: StepStats | None = None):
-        """Wait for message `want` of `step_id` from the last server of `chain`; raise ServerFailed on any failure."""
+    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, stats: StepStats | None = None,
+                     offsets: list[int] = (0,)) -> dict[int, torch.Tensor | None]:
+        """Wait for message `want` of `step_id` from the last server of `chain`, one per micro-batch (keyed by its
+        first row, in any order); raise ServerFailed on any failure."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.request_timeout
         acked: set[int] = set()
+        pending, outputs = set(offsets), {}
         while True:
             try:
                 stream, item = await asyncio.wait_for(self._events.get(), max(deadline - loop.time(), 0))
             except asyncio.TimeoutError:
-                silent = next(index for index in range(len(chain)) if index not in acked)
+                silent = next((index for index in range(len(chain)) if index not in acked), len(chain) - 1)
                 raise ServerFailed(silent, f"no answer within {self.settings.request_timeout:g} s") from None
             if stream not in chain:
                 continue
@@ -226,12 +279,15 @@ class InferenceSession:
                 self._raise_error(chain, index, message)
             if message.kind == MessageKind.ACK:
                 acked.add(index)
-            if message.kind == want and index == len(chain) - 1:
+            offset = message.batch_offset or 0
+            if message.kind == want and index == len(chain) - 1 and offset in pending:
+                pending.discard(offset)
+                outputs[offset] = tensors.get("hidden")
                 if stats is not None:
-                    stats.reports = list(message.reports)
-                    stats.client_decode_s = time.perf_counter() - received
-                    stats.received_wire_bytes = sum(len(frame.buffer) for frame in item.tensors)
-                return tensors.get("hidden")
+                    stats.add_received(message.reports, time.perf_counter() - received,
+                                       sum(len(frame.buffer) for frame in item.tensors))
+                if not pending:
+                    return outputs
 
     @staticmethod
     def _raise_error(chain: list[SpanStream], index: int, message: Message) -> None:
@@ -280,4 +336,4 @@ class InferenceSession:
     async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
         step_id = self._next_step_id()
         await stream.send(pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=step_id)))
-        return await self._await([stream], step_id, MessageKind.HISTORY)
+        return (await self._await([stream], step_id, MessageKind.HISTORY))[0]

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from bloombee import codec
 from bloombee.codec import CompressionPolicy
 
-PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history")
+PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history",
+                     "micro_batches")
 # what every client of this version uses; a server that does not announce all of them is not routed to
 REQUIRED_FEATURES = ("push", "explicit_positions", "token_mask", "history")
 
@@ -65,6 +66,8 @@ class HopReport(BaseModel):
     decode_s: float = 0.0
     compute_s: float = 0.0
     encode_s: float = 0.0
+    batch_offset: int = 0  # the micro-batch's first row
+    duplicate: bool = False  # the step had come before: not computed again, its earlier output sent on
 
 
 class OpenSession(BaseModel):
@@ -100,6 +103,7 @@ class Message(BaseModel):
     open: OpenSession | None = None
     step: StepHeader | None = None
     step_id: int | None = None
+    batch_offset: int | None = None  # outputs and acks: the micro-batch's first row
     end_position: int | None = None
     start_block: int | None = None
     end_block: int | None = None

@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
@@ -16,26 +15,25 @@ from bloombee.protocol import (
     EncodedTensors,
     ErrorKind,
     Hop,
-    HopReport,
     Message,
     MessageKind,
     OpenSession,
     StepHeader,
-    encode_tensors,
     pack,
     unpack,
 )
 from bloombee.protocol import envelope as envelope_of
 from bloombee.protocol.service import register_block_service
 from bloombee.server.backend import BlockBackend, InvalidStep
-from bloombee.server.push import PushChannel
+from bloombee.server.pipeline import SessionPipeline
+from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.sessions import Session, SessionRefused, SessionRegistry
 from bloombee.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 Envelope = runtime_pb2.ExpertRequest
-BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)
+BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller's fault: an INVALID error
 
 
 def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None, failed_peer: str | None = None) -> Envelope:
@@ -45,12 +43,16 @@ def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None, faile
 class BlockServicer:
     """Serves one block range; one instance per server process, registered on the server's P2P."""
 
+    BAD_INPUT = BAD_INPUT
+
     def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict],
                  link_bandwidth: float):
         self.backend, self.registry, self.settings, self._info = backend, registry, settings, info
         self.link_bandwidth = link_bandwidth
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
+        self.codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-codec")
+        self.push_stats = PushStats()
         self.p2p: P2P | None = None
         self.peer_id = ""
         self.sessions_served = 0
@@ -70,7 +72,7 @@ class BlockServicer:
                     raise InvalidStep("a forward request needs kind 'forward', start_block and end_block")
                 if "hidden" not in tensors:
                     raise InvalidStep("a forward request needs a 'hidden' tensor")
-                out = await self._run(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
+                out = await self.run_compute(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
                 policy = self._policy(context.remote_id.to_base58(), self.link_bandwidth, message.codecs or ())
                 yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out}, policy)
             except BAD_INPUT as error:
@@ -91,7 +93,7 @@ class BlockServicer:
                 yield error_envelope(ErrorKind.INVALID, "push names no session open on this server")
                 continue
             await session.inbox.put(request)
-            yield pack(Message(kind=MessageKind.ACK, step_id=header.step_id))
+            yield pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset))
 
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         first = await anext(aiter(requests), None)
@@ -107,9 +109,10 @@ class BlockServicer:
             return
         self.sessions_served += 1
         pump = asyncio.create_task(self._pump(requests, session))
+        pipeline = SessionPipeline(self, session)
         try:
             yield pack(Message(kind=MessageKind.OPENED, info={"cache_tokens_left": self.registry.budget.tokens_left}))
-            async for response in self._serve(session):
+            async for response in pipeline.responses():
                 yield response
         finally:
             pump.cancel()
@@ -156,87 +159,23 @@ class BlockServicer:
         try:
             async for request in requests:
                 await session.inbox.put(request)
-        finally:
-            session.inbox.put_nowait(None)
+        except Exception as error:  # the client's stream broke: the session ends as if it had closed it
+            logger.info("Session %s: the client's stream broke (%r)", session.session_id, error)
+        await session.inbox.put(None)
 
-    async def _serve(self, session: Session) -> AsyncIterator[Envelope]:
-        while True:
-            try:
-                item = await asyncio.wait_for(session.inbox.get(), timeout=self.settings.session_timeout)
-            except asyncio.TimeoutError:
-                yield error_envelope(ErrorKind.EXPIRED, f"session idle for over {self.settings.session_timeout:g} s; its cache was freed")
-                return
-            if item is None:
-                return
-            session.last_active = time.monotonic()
-            if isinstance(item, Message):  # a failure reported by this session's push channel
-                yield pack(item)
-                continue
-            yield await self._handle(session, item)
-
-    async def _handle(self, session: Session, envelope: Envelope) -> Envelope:
-        """Run one message of a session; the client gets the output (last server, with every server's report) or an ack."""
-        step_id = None
-        try:
-            message = Message.model_validate_json(envelope.metadata)
-            if message.kind == MessageKind.HISTORY:
-                return await self._run(self._history, session, message)
-            if message.kind != MessageKind.STEP or message.step is None:
-                raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
-            header = message.step
-            step_id = header.step_id
-            next_hop = header.route[0] if header.route else None
-            policy = self._push_policy(next_hop) if next_hop else self._reply_policy(session, header.reply_decode_speed)
-            encoded, report = await self._run(self._compute_step, session, envelope, header, policy)
-        except BAD_INPUT as error:
-            return error_envelope(ErrorKind.INVALID, str(error), step_id)
-        except Exception as error:
-            logger.exception("Step %s of session %s failed", step_id, session.session_id)
-            return error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", step_id)
-        reports = header.reports + (report,)
-        if next_hop is not None:
-            failure = await self._push(session, header.model_copy(update={"reports": reports}), encoded)
-            if failure is not None:
-                return failure
-            reports = (report,)
-        elif header.reply:
-            return envelope_of(Message(kind=MessageKind.OUTPUT, step_id=step_id, reports=reports), encoded.frames)
-        return pack(Message(kind=MessageKind.ACK, step_id=step_id, reports=reports))
-
-    def _compute_step(self, session: Session, envelope: Envelope, header: StepHeader,
-                      policy: CompressionPolicy) -> tuple[EncodedTensors | None, HopReport]:
-        """Decode, compute and encode one step (in the compute thread); time each part."""
-        began = time.perf_counter()
-        _, tensors = unpack(envelope)
-        decoded = time.perf_counter()
-        if "hidden" not in tensors:
-            raise InvalidStep("a step needs a 'hidden' tensor")
-        out = self.backend.step(session, tensors["hidden"], header.start_position, header.batch_offset,
-                                tensors.get("token_mask"), tensors.get("rope_positions"))
-        computed = time.perf_counter()
-        report = HopReport(peer_id=self.peer_id, decode_s=decoded - began, compute_s=computed - decoded)
-        if not header.route and not header.reply:
-            return None, report
-        sent_on = {"hidden": out}
-        if header.route:
-            sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
-        encoded = encode_tensors(sent_on, policy)
-        report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes,
-                                               wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
-        return encoded, report
-
-    def _history(self, session: Session, message: Message) -> Envelope:
+    def history_envelope(self, session: Session, message: Message) -> Envelope:
+        """This server's outputs for positions [0, end_position) of every row (for a replacement of the next server)."""
         end = message.end_position
         if end is None or not 0 <= end <= session.max_length:
             raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
         return pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=message.step_id),
-                    {"hidden": session.output_history[:, :end]}, self._reply_policy(session))
+                    {"hidden": session.output_history[:, :end]}, self.reply_policy(session))
 
-    def _push_policy(self, hop: Hop) -> CompressionPolicy:
+    def push_policy(self, hop: Hop) -> CompressionPolicy:
         bandwidth = min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
         return self._policy(hop.peer_id, bandwidth, hop.codecs, hop.decode_speed)
 
-    def _reply_policy(self, session: Session, client_decode_speed: float | None = None) -> CompressionPolicy:
+    def reply_policy(self, session: Session, client_decode_speed: float | None = None) -> CompressionPolicy:
         bandwidth = min(self.link_bandwidth, session.client_bandwidth or self.link_bandwidth)
         return self._policy(session.client_peer, bandwidth, session.reply_codecs, client_decode_speed)
 
@@ -254,18 +193,20 @@ class BlockServicer:
         """Per peer this server sends to: its compression policy's last decision, estimates and counts."""
         return {peer_id: policy.report() for peer_id, policy in self._policies.items()}
 
-    async def _push(self, session: Session, header: StepHeader, encoded: EncodedTensors) -> Envelope | None:
+    async def push(self, session: Session, header: StepHeader, encoded: EncodedTensors,
+                   notify: Callable[[Message], None]) -> Envelope | None:
+        """Send a step on to the next server of its route; an error envelope for the client if that fails."""
         hop: Hop = header.route[0]
-        channel = await self._channel(session, hop)
+        channel = await self._channel(session, hop, notify)
         next_header = header.model_copy(update={"session_id": hop.session_id, "route": header.route[1:]})
         try:
             await channel.send(envelope_of(Message(kind=MessageKind.STEP, step=next_header), encoded.frames),
-                               header.step_id, encoded.wire_bytes)
+                               header.step_id, header.batch_offset, encoded.wire_bytes)
         except Exception as error:
             return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
         return None
 
-    async def _channel(self, session: Session, hop: Hop) -> PushChannel:
+    async def _channel(self, session: Session, hop: Hop, notify: Callable[[Message], None]) -> PushChannel:
         channel: PushChannel | None = session.push_channel
         if channel is not None and (channel.peer_id, channel.session_id) == (hop.peer_id, hop.session_id) and not channel.failed:
             return channel
@@ -273,10 +214,11 @@ class BlockServicer:
             await channel.close()
 
         def report(peer_id: str, reason: str) -> None:
-            session.inbox.put_nowait(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
-                                             error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
+            notify(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
+                           error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
 
-        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self._push_policy(hop))
+        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.push_policy(hop),
+                                           self.settings.push_buffer_bytes, self.push_stats)
         return session.push_channel
 
     @staticmethod
@@ -284,5 +226,10 @@ class BlockServicer:
         if session.push_channel is not None:
             await session.push_channel.close()
 
-    async def _run(self, fn, *args):
+    async def run_compute(self, fn, *args):
+        """Run `fn` in the compute thread (one per server: sessions take turns on the device)."""
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    async def run_codec(self, fn, *args):
+        """Run `fn` (a decode or an encode) in the codec thread, beside the compute."""
+        return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)

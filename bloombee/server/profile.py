@@ -10,12 +10,15 @@ memory computed by the CPU.
 import logging
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from bloombee import codec
 from bloombee.planner import NodeSpec
 from bloombee.server.backend import BlockBackend
+from bloombee.server.measure_cache import CACHE_DIR, cached
 from bloombee.server.sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -77,8 +80,16 @@ def _codec_figures(hidden: torch.Tensor) -> dict:
             "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded, 1e-9)}
 
 
-def measure_profile(backend: BlockBackend, cpu_backend: BlockBackend | None, name: str, link_mbps: float,
-                    seq_len: int = 128) -> dict:
+def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float,
+                   cache_path: Path = CACHE_DIR / "profiles.json") -> dict:
+    """The planner node of this server: what `measure()` returns (measured once per `key`), named and with its link."""
+    node = {**cached(cache_path, key, measure), "name": name,
+            "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0}}
+    NodeSpec.model_validate(node)
+    return node
+
+
+def measure_profile(backend: BlockBackend, cpu_backend: BlockBackend | None, seq_len: int = 32) -> dict:
     """The planner node of this server; `cpu_backend` (one block on the CPU) measures host-memory attention."""
     mlp, attention_device = _cost_columns(backend, seq_len)
     attention_host = attention_device if cpu_backend is None else _cost_columns(cpu_backend, seq_len)[1]
@@ -86,15 +97,12 @@ def measure_profile(backend: BlockBackend, cpu_backend: BlockBackend | None, nam
     device_memory, host_memory = _memory_gib(backend.device)
     device_name = torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu"
     node = {
-        "name": name,
         "gpu": f"{device_name} ({str(backend.dtype).removeprefix('torch.')})",
         "gpu_memory_gib": device_memory,
         "host_memory_gib": host_memory,
         "cost": {"table": {"micro_batch": list(MICRO_BATCHES), "mlp_ms": mlp, "attn_gpu_ms": attention_device,
                            "attn_cpu_ms": attention_host}, "reference_seq_len": seq_len},
-        "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0},
         "compression": _codec_figures(sample),
     }
-    NodeSpec.model_validate(node)
-    logger.info("Profile of %s: %s", name, node["cost"]["table"])
+    logger.info("Profile: %s", node["cost"]["table"])
     return node

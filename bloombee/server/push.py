@@ -3,7 +3,9 @@
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
@@ -11,59 +13,99 @@ from hivemind.proto import runtime_pb2
 from bloombee.codec import CompressionPolicy
 from bloombee.protocol import Message, MessageKind
 from bloombee.protocol.service import block_service_stub
-from bloombee.protocol.streams import queue_stream
 
 logger = logging.getLogger(__name__)
 
 
-class PushChannel:
-    """Keeps one push stream to (peer, session) open and reports a failure through `on_failure` once."""
+@dataclass
+class PushStats:
+    """What the server's push channels queued: the most bytes waiting at once, and how often a send waited."""
 
-    def __init__(self, p2p: P2P, peer_id: str, session_id: str,
-                 on_failure: Callable[[str, str], None], policy: CompressionPolicy):
+    peak_queued_bytes: int = 0
+    waits: int = 0
+
+
+class PushChannel:
+    """Keeps one push stream to (peer, session) open and reports a failure through `on_failure` once.
+
+    At most `buffer_bytes` wait in the channel for the stream to take them (one message always may):
+    past that, `send` waits, so a next server that stops reading slows this one down.
+    """
+
+    def __init__(self, p2p: P2P, peer_id: str, session_id: str, on_failure: Callable[[str, str], None],
+                 policy: CompressionPolicy, buffer_bytes: int, stats: PushStats):
         self.peer_id, self.session_id, self.policy = peer_id, session_id, policy
-        self._sent: dict[int, tuple[float, int]] = {}  # step id -> (send time, wire bytes), until acked
+        self.buffer_bytes, self.stats = buffer_bytes, stats
+        self._sent: dict[tuple[int, int], tuple[float, int]] = {}  # (step id, row) -> (send time, wire bytes), until acked
         self._stub = block_service_stub(p2p, peer_id)
-        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._outbox: deque[tuple[runtime_pb2.ExpertRequest, int, tuple[int, int], int]] = deque()
+        self._queued_bytes = 0
+        self._changed = asyncio.Condition()
         self._on_failure = on_failure
         self._reader: asyncio.Task | None = None
         self._closing = False
         self.failed = False
 
-    async def send(self, envelope: runtime_pb2.ExpertRequest, step_id: int, wire_bytes: int) -> None:
-        """Queue a step for the next server; its ack times the transfer for the link's bandwidth estimate."""
-        if self.failed:
-            raise ConnectionError(f"push stream to {self.peer_id} has already failed")
-        if self._reader is None:
-            responses = await self._stub.rpc_push(queue_stream(self._outbox))
+    async def send(self, envelope: runtime_pb2.ExpertRequest, step_id: int, batch_offset: int, wire_bytes: int) -> None:
+        """Queue a step for the next server, waiting while the buffer is full; its ack times the transfer."""
+        if self._reader is None and not self.failed:
+            responses = await self._stub.rpc_push(self._stream())
             self._reader = asyncio.create_task(self._read_acks(responses))
-        self._sent[step_id] = (time.perf_counter(), wire_bytes)
-        await self._outbox.put(envelope)
+        size = envelope.ByteSize()
+        async with self._changed:
+            if self._queued_bytes and self._queued_bytes + size > self.buffer_bytes:
+                self.stats.waits += 1
+            await self._changed.wait_for(lambda: self.failed or self._closing or not self._queued_bytes
+                                         or self._queued_bytes + size <= self.buffer_bytes)
+            if self.failed or self._closing:
+                raise ConnectionError(f"push stream to {self.peer_id} has already failed or closed")
+            self._outbox.append((envelope, size, (step_id, batch_offset), wire_bytes))
+            self._queued_bytes += size
+            self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
+            self._changed.notify_all()
+
+    async def _stream(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        """The push stream's messages: each leaves the buffer when the stream takes it; ends on close or failure."""
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._outbox or self._closing or self.failed)
+                if not self._outbox or self.failed:
+                    return
+                envelope, size, key, wire_bytes = self._outbox.popleft()
+                self._queued_bytes -= size
+                self._sent[key] = (time.perf_counter(), wire_bytes)
+                self._changed.notify_all()
+            yield envelope
 
     async def _read_acks(self, responses: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         try:
             async for response in responses:
                 message = Message.model_validate_json(response.metadata)
                 if message.kind == MessageKind.ERROR:
-                    self._fail(message.error or "the next server refused a push")
+                    await self._fail(message.error or "the next server refused a push")
                     return
-                sent_at, wire_bytes = self._sent.pop(message.step_id, (None, 0))
+                sent_at, wire_bytes = self._sent.pop((message.step_id, message.batch_offset or 0), (None, 0))
                 if sent_at is not None:
                     self.policy.observe_transfer(wire_bytes, time.perf_counter() - sent_at)
         except Exception as error:  # the stream broke: the peer died or the connection dropped
-            self._fail(f"{type(error).__name__}: {error}")
+            await self._fail(f"{type(error).__name__}: {error}")
             return
         if not self._closing:
-            self._fail("the next server closed the push stream")
+            await self._fail("the next server closed the push stream")
 
-    def _fail(self, reason: str) -> None:
+    async def _fail(self, reason: str) -> None:
         if not self.failed:
             self.failed = True
             logger.warning("Push to %s failed: %s", self.peer_id, reason)
             self._on_failure(self.peer_id, reason)
+            async with self._changed:  # wake senders waiting for room
+                self._changed.notify_all()
 
     async def close(self) -> None:
-        self._closing = True
-        await self._outbox.put(None)
+        """Let the stream send what is queued, then end it."""
+        async with self._changed:
+            self._closing = True
+            self._changed.notify_all()
         if self._reader is not None:
             self._reader.cancel()
+

@@ -3,7 +3,7 @@
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hivemind
@@ -19,7 +19,7 @@ from bloombee.protocol import PROTOCOL_FEATURES
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
-from bloombee.server.profile import measure_profile
+from bloombee.server.profile import cached_profile, measure_profile
 from bloombee.server.sessions import CacheBudget, SessionRegistry
 from bloombee.server.throughput import cached_block_throughput
 from bloombee.settings import ServerSettings
@@ -41,7 +41,7 @@ class Server:
 
     def __init__(self, model: str, dht: hivemind.DHT, blocks: BlockChoice, settings: ServerSettings,
                  device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6,
-                 profile_path: str | None = None):
+                 profile: bool = True, profile_path: str | None = None):
         self.model_path = resolve_model(model)
         self.config = load_model_config(self.model_path)
         self.prefix = dht_prefix(model)
@@ -54,7 +54,7 @@ class Server:
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
         self.backend = self._load(*self._initial_range())
-        self.profile = self._profile(Path(profile_path)) if profile_path else None
+        self.profile = self._profile(Path(profile_path) if profile_path else None) if profile or profile_path else None
         self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth)
 
     def _initial_range(self) -> tuple[int, int]:
@@ -78,19 +78,27 @@ class Server:
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s", start, end, self.model_path, self.device, backend.dtype)
         return backend
 
-    def _profile(self, path: Path) -> dict:
-        """Measure this server's planner node, write it to `path` (YAML) and keep it for the DHT record."""
-        cpu_backend = None
-        if self.device.type != "cpu":
-            start = self.backend.start
-            cpu_stack = load_block_stack(self.model_path, start, start + 1, dtype=torch.float32, device="cpu")
-            cpu_backend = BlockBackend(cpu_stack, torch.device("cpu"), torch.float32)
+    def _profile(self, path: Path | None) -> dict:
+        """This server's planner node (measured once per model, range, device and dtype, then cached), for the DHT
+        record; written to `path` (YAML) when given."""
         name = self.public_name or self.dht.peer_id.to_base58()
-        node = measure_profile(self.backend, cpu_backend, name, self.link_bandwidth * 8 / 1e6)
+        key = f"{self.prefix}|{self.backend.start}:{self.backend.end}|{self.device.type}|{self.backend.dtype}"
+        node = cached_profile(key, lambda: measure_profile(self.backend, self._cpu_backend()), name,
+                              self.link_bandwidth * 8 / 1e6)
+        if path is None:
+            return node
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump({"nodes": [node]}, sort_keys=False))
         logger.info("Wrote the planner profile of this server to %s", path)
         return node
+
+    def _cpu_backend(self) -> BlockBackend | None:
+        """One block on the CPU, to time attention over a KV cache kept in host memory (None when already on the CPU)."""
+        if self.device.type == "cpu":
+            return None
+        start = self.backend.start
+        cpu_stack = load_block_stack(self.model_path, start, start + 1, dtype=torch.float32, device="cpu")
+        return BlockBackend(cpu_stack, torch.device("cpu"), torch.float32)
 
     def record(self) -> ServerRecord:
         return ServerRecord(
@@ -114,7 +122,8 @@ class Server:
     def info(self) -> dict:
         return {**self.record().model_dump(mode="json"), "peer_id": self.dht.peer_id.to_base58(),
                 "open_sessions": len(self.registry), "total_blocks": self.total_blocks, "prefix": self.prefix,
-                "links": self.servicer.link_reports()}
+                "links": self.servicer.link_reports(), "push_buffer_bytes": self.settings.push_buffer_bytes,
+                "push": asdict(self.servicer.push_stats)}
 
     def _announce(self) -> None:
         expiration = get_dht_time() + 3 * self.settings.announce_period

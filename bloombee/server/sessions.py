@@ -13,6 +13,8 @@ from bloombee.models.core.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
+INBOX_DEPTH = 4  # messages a session holds before the streams feeding it (client, previous server) wait
+
 
 class SessionRefused(Exception):
     """The server cannot open this session (a limit or the cache budget); the message says which."""
@@ -61,7 +63,7 @@ class Session:
     client_peer: str = ""
     client_bandwidth: float | None = None  # the client's link, bytes/s, as it told us
     push_channel: Any = None  # the PushChannel to the next server, opened on the first push
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_DEPTH))  # bounded: back-pressure
     last_active: float = field(default_factory=time.monotonic)
 
     @property

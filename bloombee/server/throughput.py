@@ -1,20 +1,16 @@
 """Measure how fast this server's blocks decode, once per model/range/device/dtype, and cache the figure."""
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from bloombee.server.backend import BlockBackend
+from bloombee.server.measure_cache import CACHE_DIR, cached
 from bloombee.server.sessions import Session
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CACHE = Path(os.environ.get("BLOOMBEE_CACHE", Path.home() / ".cache" / "bloombee")) / "throughput.json"
-
 
 def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
     """Decode steps per second through one block at batch 1 (total steps x blocks / seconds)."""
@@ -41,17 +37,8 @@ def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
     return steps * num_blocks / elapsed
 
 
-def cached_block_throughput(backend: BlockBackend, key: str, cache_path: Path = DEFAULT_CACHE) -> float:
+def cached_block_throughput(backend: BlockBackend, key: str, cache_path: Path = CACHE_DIR / "throughput.json") -> float:
     """The measured throughput for `key`, measuring and storing it the first time."""
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    if key in cache:
-        logger.info("Throughput %.1f block-steps/s for %s (cached in %s)", cache[key], key, cache_path)
-        return float(cache[key])
-    throughput = measure_block_throughput(backend)
-    cache[key] = throughput
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    tmp.replace(cache_path)
-    logger.info("Measured throughput %.1f block-steps/s for %s", throughput, key)
+    throughput = float(cached(cache_path, key, lambda: measure_block_throughput(backend)))
+    logger.info("Throughput %.1f block-steps/s for %s", throughput, key)
     return throughput

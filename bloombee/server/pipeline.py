@@ -1,0 +1,219 @@
+"""One session's step pipeline: decode, compute and encode + send run as three concurrent stages.
+
+Messages (client steps, pushes from the previous server, history requests) go through
+
+    inbox -> [decode] -> decoded -> [compute] -> computed -> [encode + push or reply] -> replies
+
+Each stage is an asyncio task; decoding and encoding run in the server's codec thread, compute in
+its compute thread (shared by all sessions, one micro-batch at a time). The queues between stages
+are bounded, so a slow next server (whose push stream stops draining) slows this server down
+instead of growing its memory. Items keep their arrival order through every stage. A step is
+keyed by (step id, batch offset): one that arrives again is not computed again; its output is
+taken from the output history and sent on as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from bloombee.protocol import ErrorKind, HopReport, Message, MessageKind, StepHeader, encode_tensors, envelope, pack, unpack
+from bloombee.server.backend import InvalidStep
+from bloombee.server.sessions import Session
+
+if TYPE_CHECKING:
+    from bloombee.server.handler import BlockServicer
+
+logger = logging.getLogger(__name__)
+
+Envelope = runtime_pb2.ExpertRequest
+STAGE_DEPTH = 2  # items waiting between two stages
+REMEMBERED_STEPS = 4096  # (step id, batch offset) keys kept per session to recognise a step that comes again
+_END = object()
+
+
+@dataclass
+class DecodedStep:
+    header: StepHeader
+    tensors: dict[str, torch.Tensor]
+    decode_s: float
+
+
+@dataclass
+class ComputedStep:
+    header: StepHeader
+    sent_on: dict[str, torch.Tensor]
+    report: HopReport
+
+
+class SessionPipeline:
+    """Runs one session's messages through the three stages; `responses()` yields what goes back to the client."""
+
+    def __init__(self, servicer: BlockServicer, session: Session):
+        self.servicer, self.session = servicer, session
+        self.decoded: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
+        self.computed: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.applied: OrderedDict[tuple[int, int], None] = OrderedDict()
+
+    def notify(self, message: Message) -> None:
+        """Send a message to the client out of band (a failed push reported by the push channel)."""
+        self.replies.put_nowait(pack(message))
+
+    async def responses(self) -> AsyncIterator[Envelope]:
+        stages = [asyncio.create_task(stage()) for stage in (self._decode_stage, self._compute_stage, self._send_stage)]
+        try:
+            while True:
+                reply = await self.replies.get()
+                if reply is _END:
+                    return
+                yield reply
+        finally:
+            for task in stages:
+                task.cancel()
+            await asyncio.gather(*stages, return_exceptions=True)
+
+    def _error(self, kind: ErrorKind, text: str, step_id: int | None) -> None:
+        self.replies.put_nowait(pack(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id)))
+
+    # -- stage 1: receive and decode ---------------------------------------------------------
+
+    async def _decode_stage(self) -> None:
+        timeout = self.servicer.settings.session_timeout
+        while True:
+            try:
+                item = await asyncio.wait_for(self.session.inbox.get(), timeout=timeout)
+            except asyncio.TimeoutError:
+                self._error(ErrorKind.EXPIRED, f"session idle for over {timeout:g} s; its cache was freed", None)
+                await self.decoded.put(_END)
+                return
+            if item is None:
+                await self.decoded.put(_END)
+                return
+            self.session.last_active = time.monotonic()
+            decoded = await self._decode(item)
+            if decoded is not None:
+                await self.decoded.put(decoded)
+
+    async def _decode(self, item: Envelope) -> DecodedStep | Message | None:
+        step_id = None
+        try:
+            message = Message.model_validate_json(item.metadata)
+            step_id = message.step_id if message.step is None else message.step.step_id
+            if message.kind == MessageKind.HISTORY:
+                return message
+            if message.kind != MessageKind.STEP or message.step is None:
+                raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
+            began = time.perf_counter()
+            _, tensors = await self.servicer.run_codec(unpack, item)
+            if "hidden" not in tensors:
+                raise InvalidStep("a step needs a 'hidden' tensor")
+            return DecodedStep(message.step, tensors, time.perf_counter() - began)
+        except self.servicer.BAD_INPUT as error:
+            self._error(ErrorKind.INVALID, str(error), step_id)
+            return None
+
+    # -- stage 2: compute ---------------------------------------------------------------------
+
+    async def _compute_stage(self) -> None:
+        while True:
+            item = await self.decoded.get()
+            if item is _END:
+                await self.computed.put(_END)
+                return
+            if isinstance(item, Message):
+                await self._answer_history(item)
+                continue
+            computed = await self._compute(item)
+            if computed is not None:
+                await self.computed.put(computed)
+
+    async def _answer_history(self, message: Message) -> None:
+        try:
+            reply = await self.servicer.run_compute(self.servicer.history_envelope, self.session, message)
+        except self.servicer.BAD_INPUT as error:
+            self._error(ErrorKind.INVALID, str(error), message.step_id)
+            return
+        self.replies.put_nowait(reply)
+
+    async def _compute(self, step: DecodedStep) -> ComputedStep | None:
+        header, tensors = step.header, step.tensors
+        key = (header.step_id, header.batch_offset)
+        duplicate = key in self.applied
+        try:
+            began = time.perf_counter()
+            if duplicate:
+                out = self._earlier_output(header, tensors["hidden"])
+            else:
+                out = await self.servicer.run_compute(
+                    self.servicer.backend.step, self.session, tensors["hidden"], header.start_position,
+                    header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
+                self._remember(key)
+            compute_s = time.perf_counter() - began
+        except self.servicer.BAD_INPUT as error:
+            self._error(ErrorKind.INVALID, str(error), header.step_id)
+            return None
+        except Exception as error:
+            logger.exception("Step %s of session %s failed", header.step_id, self.session.session_id)
+            self._error(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", header.step_id)
+            return None
+        report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, compute_s=compute_s,
+                           batch_offset=header.batch_offset, duplicate=duplicate)
+        sent_on = {"hidden": out}
+        if header.route:
+            sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
+        return ComputedStep(header, sent_on, report)
+
+    def _earlier_output(self, header: StepHeader, hidden: torch.Tensor) -> torch.Tensor:
+        """The output this session computed when the step first came (its rows and positions of the history)."""
+        rows = slice(header.batch_offset, header.batch_offset + hidden.shape[0])
+        positions = slice(header.start_position, header.start_position + hidden.shape[1])
+        logger.info("Step %s (rows from %d) of session %s came again; sending the earlier output",
+                    header.step_id, header.batch_offset, self.session.session_id)
+        return self.session.output_history[rows, positions].clone()
+
+    def _remember(self, key: tuple[int, int]) -> None:
+        self.applied[key] = None
+        if len(self.applied) > REMEMBERED_STEPS:
+            self.applied.popitem(last=False)
+
+    # -- stage 3: encode and send on ----------------------------------------------------------
+
+    async def _send_stage(self) -> None:
+        while True:
+            item = await self.computed.get()
+            if item is _END:
+                self.replies.put_nowait(_END)
+                return
+            await self._send(item)
+
+    async def _send(self, step: ComputedStep) -> None:
+        header, report = step.header, step.report
+        next_hop = header.route[0] if header.route else None
+        if next_hop is None and not header.reply:
+            self.replies.put_nowait(self._ack(header, header.reports + (report,)))
+            return
+        servicer = self.servicer
+        policy = servicer.push_policy(next_hop) if next_hop else servicer.reply_policy(self.session, header.reply_decode_speed)
+        encoded = await servicer.run_codec(encode_tensors, step.sent_on, policy)
+        report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes,
+                                               wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
+        reports = header.reports + (report,)
+        if next_hop is None:
+            reply = Message(kind=MessageKind.OUTPUT, step_id=header.step_id, batch_offset=header.batch_offset, reports=reports)
+            self.replies.put_nowait(envelope(reply, encoded.frames))
+            return
+        failure = await servicer.push(self.session, header.model_copy(update={"reports": reports}), encoded, self.notify)
+        self.replies.put_nowait(failure if failure is not None else self._ack(header, (report,)))
+
+    @staticmethod
+    def _ack(header: StepHeader, reports: tuple[HopReport, ...]) -> Envelope:
+        return pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset, reports=reports))

@@ -1,0 +1,76 @@
+"""Choosing the micro-batch count: which servers allow it, and what `auto` picks from the planner's model."""
+
+import asyncio
+
+from transformers import LlamaConfig
+
+from bloombee.client.micro_batching import MicroBatchChooser, predicted_step_s
+from bloombee.client.routing import Span
+from bloombee.client.session import InferenceSession, split_rows
+from bloombee.client.spans import SpanStream
+from bloombee.codec import CODEC_VERSION
+from bloombee.dht.records import ServerRecord, ServerState
+from bloombee.protocol import PROTOCOL_FEATURES, REQUIRED_FEATURES
+from bloombee.settings import ClientSettings
+
+CONFIG = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
+                     num_hidden_layers=6, vocab_size=1000)
+
+
+def profile(mlp_ms: tuple[float, float, float]) -> dict:
+    """A planner node as a server announces it: per-block decode ms at micro-batches 1, 4, 16."""
+    return {"gpu": "cpu (float32)", "gpu_memory_gib": 24.0, "host_memory_gib": 24.0,
+            "cost": {"table": {"micro_batch": [1, 4, 16], "mlp_ms": list(mlp_ms), "attn_gpu_ms": [0.1, 0.2, 0.5],
+                               "attn_cpu_ms": [0.1, 0.2, 0.5]}, "reference_seq_len": 32},
+            "compression": {"ratio": 1.1, "compress_mb_per_s": 400.0, "decompress_mb_per_s": 1000.0}}
+
+
+def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL_FEATURES) -> Span:
+    record = ServerRecord(state=ServerState.ONLINE, start_block=start, end_block=end, throughput=10.0,
+                          link_bandwidth=mbps * 1e6 / 8, cache_tokens_left=1 << 20, dtype="float32", device="cpu",
+                          version="test", codec_version=CODEC_VERSION, features=features, profile=node)
+    return Span(f"peer{start}", start, end, record)
+
+
+def chain(mbps: float, node: dict | None = profile((10.0, 30.0, 110.0))) -> list[Span]:
+    return [span(0, 2, mbps, node), span(2, 4, mbps, node), span(4, 6, mbps, node)]
+
+
+def test_rows_split_as_evenly_as_possible():
+    assert split_rows(7, 3) == [(0, 3), (3, 2), (5, 2)]
+    assert split_rows(8, 8) == [(i, 1) for i in range(8)]
+    assert split_rows(5, 1) == [(0, 5)]
+
+
+def test_auto_splits_on_a_slow_link_and_not_on_a_fast_one():
+    choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off")
+    slow = choose(chain(20.0), 32, 1, 32)
+    assert slow > 1
+    inputs = choose.chain_inputs(chain(20.0), 32, 32)
+    assert predicted_step_s(inputs, [2, 2, 2], 32, slow) < predicted_step_s(inputs, [2, 2, 2], 32, 1)
+    fast = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
+    # compute that does not shrink with the micro-batch (a fixed cost per call) never pays for the extra messages
+    assert fast(chain(1e5, profile((40.0, 40.0, 40.0))), 32, 1, 32) == 1
+    assert choose(chain(20.0), 1, 1, 32) == 1
+
+
+def test_auto_does_not_split_through_servers_without_a_profile(caplog):
+    choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off")
+    with caplog.at_level("WARNING"):
+        assert choose(chain(20.0, node=None), 32, 1, 32) == 1
+        assert choose(chain(20.0, node=None), 32, 1, 32) == 1
+    assert len([r for r in caplog.records if "announce no planner profile" in r.getMessage()]) == 1
+
+
+def test_micro_batches_only_through_servers_that_announce_them():
+    def session(settings: ClientSettings, spans: list[Span]) -> tuple[InferenceSession, list[SpanStream]]:
+        session = InferenceSession(None, None, 64, 8, 2048, settings, None, 0.0, lambda *args: 4)
+        return session, [SpanStream(s, asyncio.Queue()) for s in spans]
+
+    fixed, streams = session(ClientSettings(micro_batches=3), chain(20.0))
+    assert fixed.micro_batches_for(streams, 1, 8) == 3
+    auto, streams = session(ClientSettings(), chain(20.0))
+    assert auto.micro_batches_for(streams, 1, 8) == 4
+    old = [span(0, 3, 20.0, None), span(3, 6, 20.0, None, features=REQUIRED_FEATURES)]
+    fixed, streams = session(ClientSettings(micro_batches=3), old)
+    assert fixed.micro_batches_for(streams, 1, 8) == 1
