@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from transformers import LlamaConfig
 
 from bloombee.client.micro_batching import MicroBatchChooser, predicted_step_s
@@ -32,8 +34,9 @@ def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL
     return Span(f"peer{start}", start, end, record)
 
 
-def chain(mbps: float, node: dict | None = profile((10.0, 30.0, 110.0))) -> list[Span]:
-    return [span(0, 2, mbps, node), span(2, 4, mbps, node), span(4, 6, mbps, node)]
+def chain(mbps: float, mlp_ms: tuple[float, float, float] | None = (10.0, 30.0, 110.0)) -> list[Span]:
+    """Three servers of two blocks each, every one with its own copy of the profile (None: no profile)."""
+    return [span(start, start + 2, mbps, None if mlp_ms is None else profile(mlp_ms)) for start in (0, 2, 4)]
 
 
 def test_rows_split_as_evenly_as_possible():
@@ -50,15 +53,29 @@ def test_auto_splits_on_a_slow_link_and_not_on_a_fast_one():
     assert predicted_step_s(inputs, [2, 2, 2], 32, slow) < predicted_step_s(inputs, [2, 2, 2], 32, 1)
     fast = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
     # compute that does not shrink with the micro-batch (a fixed cost per call) never pays for the extra messages
-    assert fast(chain(1e5, profile((40.0, 40.0, 40.0))), 32, 1, 32) == 1
+    assert fast(chain(1e5, (40.0, 40.0, 40.0)), 32, 1, 32) == 1
     assert choose(chain(20.0), 1, 1, 32) == 1
+
+
+def test_servers_sharing_a_cpu_slow_each_other_only_while_they_compute_at_once():
+    choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
+
+    def step_s(host_of, micro_batches: int) -> float:
+        spans = chain(1e5)
+        for span, host in zip(spans, host_of):
+            span.record.profile["cpu"] = {"host": host, "threads": 1, "cores": 2}
+        return predicted_step_s(choose.chain_inputs(spans, 32, 32), [2, 2, 2], 32, micro_batches)
+
+    apart, together = ("h0", "h1", "h2"), ("one", "one", "one")
+    assert step_s(together, 1) == pytest.approx(step_s(apart, 1))  # one micro-batch: one stage computes at a time
+    assert step_s(together, 8) > 1.2 * step_s(apart, 8)  # three single-thread stages at once on two cores
 
 
 def test_auto_does_not_split_through_servers_without_a_profile(caplog):
     choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off")
     with caplog.at_level("WARNING"):
-        assert choose(chain(20.0, node=None), 32, 1, 32) == 1
-        assert choose(chain(20.0, node=None), 32, 1, 32) == 1
+        assert choose(chain(20.0, None), 32, 1, 32) == 1
+        assert choose(chain(20.0, None), 32, 1, 32) == 1
     assert len([r for r in caplog.records if "announce no planner profile" in r.getMessage()]) == 1
 
 

@@ -161,9 +161,18 @@ def test_topology_names_and_addresses():
 
 def test_configurations():
     baseline = knobs.parse_configuration("baseline")
-    assert baseline.server_args() == ["--compression", "off"] and baseline.client_settings() == {"compression": "off"}
+    assert baseline.server_args() == ["--compression", "off"]
+    assert baseline.client_settings() == {"compression": "off", "micro_batches": 1}
     on = knobs.parse_configuration("compression")
-    assert on.server_args() == ["--compression", "on"] and on.client_settings() == {"compression": "on"}
+    assert on.server_args() == ["--compression", "on"] and on.client_settings() == {"compression": "on", "micro_batches": 1}
+    eight = knobs.parse_configuration("compression+micro_batching:8")
+    assert eight.client_settings() == {"compression": "on", "micro_batches": 8} and not eight.bandwidth_sensitive
+    chosen = knobs.parse_configuration("micro_batching:auto")
+    assert chosen.client_settings() == {"compression": "off", "micro_batches": "auto"} and chosen.bandwidth_sensitive
+    with pytest.raises(ValueError, match="takes no value"):
+        knobs.parse_configuration("compression:3")
+    with pytest.raises(ValueError, match="whole number"):
+        knobs.parse_configuration("micro_batching:many")
     assert knobs.parse_configuration("all").enabled == frozenset(knobs.OPTIMISATIONS)
     auto = knobs.parse_configuration("auto")
     assert auto.server_args() == [] and auto.client_settings() == {} and auto.bandwidth_sensitive
@@ -384,3 +393,22 @@ def test_tables_plots_and_strict_json(tmp_path):
     data = json.loads((tmp_path / "summary.json").read_text())  # strict: no NaN
     assert data["runs"][0]["measured_over_floor"] is None
     assert "sudo ..." in (tmp_path / "summary.md").read_text()
+
+
+def test_timeline_places_every_part_of_every_micro_batch():
+    def report(offset, at):
+        return {"batch_offset": offset, "decode_at": at, "decode_s": 0.001, "compute_at": at + 0.002, "compute_s": 0.010,
+                "encode_at": at + 0.013, "encode_s": 0.001}
+
+    step = {"sent_at": [100.0, 100.005], "received_at": [100.060, 100.050],
+            "micro_batch_reports": [[report(4, 100.020), report(4, 100.040)], [report(0, 100.010), report(0, 100.030)]]}
+    intervals = metrics.timeline(step, ["s0", "s1"])
+    assert len(intervals) == 2 * 9  # per micro-batch: 3 transfers, 3 parts on each of 2 servers
+    first = [i for i in intervals if i["mb"] == 0]
+    assert {i["row"] for i in first} == {"client -> s0", "s0 decode", "s0 compute", "s0 encode", "s0 -> s1",
+                                         "s1 decode", "s1 compute", "s1 encode", "s1 -> client"}
+    send = next(i for i in first if i["row"] == "client -> s0")
+    assert send["start"] == 0.0 and send["end"] == pytest.approx(10.0)
+    back = next(i for i in intervals if i["mb"] == 1 and i["row"] == "s1 -> client")
+    assert back["start"] == pytest.approx(54.0) and back["end"] == pytest.approx(60.0)
+    assert metrics.timeline({"sent_at": [], "micro_batch_reports": []}, ["s0"]) == []

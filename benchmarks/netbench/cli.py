@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netbench import knobs, metrics, netns, presets, report
+from benchmarks.netbench import knobs, metrics, netns, predict, presets, report
 from benchmarks.netbench.plan import resolve_plan
 
 logger = logging.getLogger("benchmarks.netbench")
@@ -224,16 +224,25 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
 def run_group(args, index: int, group_configs: list[knobs.Configuration], group_envs: list[presets.Environment],
               topology: netns.Topology, swarm, worker, nodes: list[str], ranges: list[tuple[int, int]], server_threads: int,
               meta: dict, records: dict[tuple[str, str], dict], out_dir: Path) -> None:
-    """Start one server set per configuration of the group, run every environment x repeat x configuration,
-    write each (configuration, environment)'s record as soon as it is complete, stop the servers."""
+    """Start one server set per distinct server flags of the group's configurations (configurations that differ
+    only on the client share it), run every environment x repeat x configuration, write each (configuration,
+    environment)'s record as soon as it is complete, stop the servers."""
     server_nodes = nodes[1:]
-    names = {config.name: [f"{node}.g{index}c{ci}" for node in server_nodes] for ci, config in enumerate(group_configs)}
-    everyone = [name for group in names.values() for name in group]
+    sets: dict[tuple[str, ...], list[str]] = {}
+    names: dict[str, list[str]] = {}
     for config in group_configs:
-        for name, node, blocks in zip(names[config.name], server_nodes, ranges):
-            advertised = (group_envs[0].advertised_mbps(node, nodes, UNSHAPED_ADVERTISED_MBPS)
-                          if config.bandwidth_sensitive else FIXED_ADVERTISED_MBPS)
-            swarm.start_server(name, node, blocks, config.server_args(), args.dtype, advertised, server_threads)
+        flags = tuple(config.server_args())
+        if flags not in sets:
+            sets[flags] = [f"{node}.g{index}c{len(sets)}" for node in server_nodes]
+            for name, node, blocks in zip(sets[flags], server_nodes, ranges):
+                advertised = (group_envs[0].advertised_mbps(node, nodes, UNSHAPED_ADVERTISED_MBPS)
+                              if config.bandwidth_sensitive else FIXED_ADVERTISED_MBPS)
+                swarm.start_server(name, node, blocks, list(flags), args.dtype, advertised, server_threads)
+                # one at a time: a server measures its throughput and planner profile as it starts (once per
+                # range; then cached), and servers measuring at once on this machine would slow each other
+                _wait_online(worker, swarm, [name], args.startup_timeout)
+        names[config.name] = sets[flags]
+    everyone = [name for group in sets.values() for name in group]
     try:
         _wait_online(worker, swarm, everyone, args.startup_timeout)
         logger.info("servers %s online", sorted(everyone))
@@ -251,6 +260,7 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
             for config in group_configs:
                 record = records[(env.name, config.name)]
                 record["summary"] = metrics.summarize(record)
+                record["summary"]["predicted"] = predict.predictions(record)
                 (out_dir / "runs" / f"{config.name}-{env.name}.json").write_text(json.dumps(report.clean_json(record), indent=1))
                 log_summary(record["summary"])
     finally:

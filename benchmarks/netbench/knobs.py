@@ -7,8 +7,11 @@ all others off:
 - ``baseline``: everything off;
 - ``all`` (alias ``best``): everything on;
 - ``compression`` (or ``a+b`` for several): just those on;
+- ``name:VALUE`` sets a valued optimisation's setting (``micro_batching:8``, ``micro_batching:auto``);
+  a configuration with an ``auto`` value depends on the links (its nodes advertise their speed);
 - ``auto``: no flags at all, the product's own defaults (compression ``auto``: the break-even
-  rule, seeded with the link speed each node advertises).
+  rule; micro-batches ``auto``: the planner's model of the chain; both from the link speed each
+  node advertises).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ class Optimisation:
     server_off: tuple[str, ...]
     client_on: Mapping[str, Any] = field(default_factory=dict)
     client_off: Mapping[str, Any] = field(default_factory=dict)
+    value_setting: str | None = None  # the client setting that `name:VALUE` sets (valued optimisations)
 
 
 OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
     Optimisation("compression", "lossless byte-split zstd codec on every hop",
                  ("--compression", "on"), ("--compression", "off"), {"compression": "on"}, {"compression": "off"}),
-    # Optimisation("micro_batching", "...", ("--micro-batches", "2"), ("--micro-batches", "1"), {...}, {...}),
+    Optimisation("micro_batching", "steps split into micro-batches that pipeline along the chain",
+                 (), (), {"micro_batches": 4}, {"micro_batches": 1}, value_setting="micro_batches"),
 )}
 
 
@@ -40,11 +45,12 @@ class Configuration:
     name: str
     enabled: frozenset[str] = frozenset()
     auto: bool = False  # the product's defaults: no switches passed at all
+    values: tuple[tuple[str, Any], ...] = ()  # (optimisation, value) given as name:VALUE
 
     @property
     def bandwidth_sensitive(self) -> bool:
         """Whether the servers' advertised link speed changes behaviour (then servers restart per environment)."""
-        return self.auto
+        return self.auto or any(value == "auto" for _, value in self.values)
 
     def server_args(self) -> list[str]:
         if self.auto:
@@ -60,6 +66,8 @@ class Configuration:
         settings: dict[str, Any] = {}
         for name, opt in OPTIMISATIONS.items():
             settings.update(opt.client_on if name in self.enabled else opt.client_off)
+        for name, value in self.values:
+            settings[OPTIMISATIONS[name].value_setting] = value
         return settings
 
     def to_dict(self) -> dict:
@@ -76,12 +84,25 @@ def parse_configuration(text: str) -> Configuration:
         return Configuration(lower, frozenset(OPTIMISATIONS))
     if lower == "auto":
         return Configuration("auto", auto=True)
-    names = [part.strip() for part in text.split("+") if part.strip()]
+    parts = [part.strip() for part in text.split("+") if part.strip()]
+    names = [part.split(":", 1)[0] for part in parts]
     unknown = [name for name in names if name not in OPTIMISATIONS]
     if not names or unknown:
         raise ValueError(f"unknown configuration {text!r}: use baseline, all, auto, or optimisations joined by '+' "
                          f"from: {', '.join(OPTIMISATIONS)}")
-    return Configuration("+".join(names), frozenset(names))
+    values = tuple((name, _value(name, part.split(":", 1)[1])) for name, part in zip(names, parts) if ":" in part)
+    return Configuration("+".join(parts), frozenset(names), values=values)
+
+
+def _value(name: str, text: str) -> Any:
+    if OPTIMISATIONS[name].value_setting is None:
+        raise ValueError(f"optimisation {name!r} takes no value (got {name}:{text})")
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}:{text}: the value must be auto or a whole number") from None
 
 
 def parse_configurations(text: str) -> list[Configuration]:

@@ -211,6 +211,7 @@ def summarize(run: dict) -> dict[str, Any]:
     floor = floor_seconds(compute, floor_bytes, rates)
     chain_median = median(step["chain_s"] for step in complete)
     walls = [step["wall_s"] for step in decode_steps]
+    typical = min(complete, key=lambda step: abs(step["chain_s"] - chain_median))
     return {
         "env": run["env"]["name"], "config": run["config"]["name"], "model": run["model_name"],
         "batch": batch, "prompt_len": run["workload"]["prompt_len"], "new_tokens": run["workload"]["new_tokens"],
@@ -235,4 +236,32 @@ def summarize(run: dict) -> dict[str, Any]:
         "steps_without_all_reports": len(decode_steps) - len(complete),
         "floor_s": floor, "measured_over_floor": chain_median / floor if floor > 0 else math.nan,
         "loadavg": [rep.get("loadavg") for rep in repeats], "failed_attempts": len(run.get("failed_attempts", [])),
+        "micro_batches": sorted({step.get("micro_batches", 1) for step in steps}),
+        "timeline": timeline(typical, [dst for _, dst in hops[:-1]]),
+        "timeline_chain_s": typical["chain_s"],
     }
+
+
+def timeline(step: dict, names: list[str]) -> list[dict]:
+    """Who did what when in one step: per micro-batch, each server's decode, compute and encode, and each hop's
+    transfer (from the sender's encode end, or the client's send, to the receiver's decode start), in ms from
+    the client's first send. `names` are the chain's nodes (s0, s1, ...)."""
+    if not step.get("micro_batch_reports") or not step.get("sent_at"):
+        return []
+    origin = min(step["sent_at"])
+    ms = lambda t: (t - origin) * 1e3  # noqa: E731
+    offsets = sorted({reports[0]["batch_offset"] for reports in step["micro_batch_reports"]})
+    sent = dict(zip(offsets, step["sent_at"]))
+    intervals = []
+    for reports, received in zip(step["micro_batch_reports"], step["received_at"]):
+        mb = offsets.index(reports[0]["batch_offset"])
+        ready, sender = sent[reports[0]["batch_offset"]], "client"
+        for name, report in zip(names, reports):
+            intervals.append({"row": f"{sender} -> {name}", "kind": "transfer", "mb": mb, "start": ms(ready), "end": ms(report["decode_at"])})
+            for part in ("decode", "compute", "encode"):
+                began = report[f"{part}_at"]
+                intervals.append({"row": f"{name} {part}", "kind": part, "mb": mb, "start": ms(began),
+                                  "end": ms(began + report[f"{part}_s"])})
+            ready, sender = report["encode_at"] + report["encode_s"], name
+        intervals.append({"row": f"{sender} -> client", "kind": "transfer", "mb": mb, "start": ms(ready), "end": ms(received)})
+    return intervals

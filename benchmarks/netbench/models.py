@@ -37,6 +37,8 @@ class RandomLlama:
 # hidden 4096 at fp32 is 16 KB per token per hop, as much as LLaMA-30B's 6656 at fp16 (13 KB);
 # intermediate 2 x hidden and 8 KV heads keep a block at ~142M parameters (CPU time down).
 WIDE = RandomLlama(hidden=4096, layers=3, intermediate=8192, heads=32, kv_heads=8, vocab=512)
+# the micro-batching workload: 6 blocks of ~50M parameters, 8 KB per token per hop at fp32, 16 heads without GQA
+PIPELINE = RandomLlama(hidden=2048, layers=6, intermediate=5504, heads=16, kv_heads=16, vocab=1000)
 # bloombee-tiny's shape (scripts/train_tiny.py), for when the trained model is not there yet.
 TINY_SHAPE = RandomLlama(hidden=256, layers=8, intermediate=688, heads=8, kv_heads=2, vocab=4096)
 
@@ -82,4 +84,7 @@ def resolve(name: str) -> tuple[str, str, str]:
         spec = RandomLlama(**{**asdict(WIDE), "layers": layers})
         return str(make_random_llama(spec)), f"wide-random-h{spec.hidden}-l{layers}", \
             f"random Llama, hidden {spec.hidden}, intermediate {spec.intermediate}, {spec.kv_heads} KV heads, vocab {spec.vocab}"
+    if lower == "pipeline":
+        return str(make_random_llama(PIPELINE)), "pipeline-random-h2048-l6", \
+            "random Llama, hidden 2048, intermediate 5504, 16 heads (no GQA), vocab 1000, 6 blocks"
     return name, Path(name).name or name, "as given"

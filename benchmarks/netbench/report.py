@@ -125,7 +125,9 @@ def write_markdown(path: Path, meta: dict, summaries: list[dict]) -> None:
     if comparison:
         lines += ["## Against the baseline", "", comparison, ""]
     lines += ["## Transport breakdown (median decode step)", "", BREAKDOWN_NOTE, "",
-              breakdown_table(summaries), ""]
+              breakdown_table(summaries), "",
+              "## The planner's prediction against the measurement (median chain time; ratio = predicted / measured)", "",
+              prediction_table(summaries), ""]
     path.write_text("\n".join(lines))
 
 
@@ -198,6 +200,57 @@ def plot_breakdown(path: Path, summaries: list[dict], title: str) -> None:
     plt.close(fig)
 
 
+def plot_timelines(path: Path, summaries: list[dict], title: str) -> None:
+    """One decode step per configuration (the one closest to the median), per environment: who computes,
+    encodes, decodes and sends which micro-batch when."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [s for s in summaries if s.get("timeline")]
+    if not shown:
+        return
+    colours = {"decode": "tab:green", "compute": "tab:blue", "encode": "tab:orange", "transfer": "tab:gray"}
+    fig, axes = plt.subplots(len(shown), 1, figsize=(11, 1.0 + 2.1 * len(shown)), squeeze=False)
+    for ax, summary in zip(axes[:, 0], shown):
+        rows = list(dict.fromkeys(item["row"] for item in summary["timeline"]))
+        for item in summary["timeline"]:
+            ax.barh(rows.index(item["row"]), item["end"] - item["start"], left=item["start"], height=0.7,
+                    color=colours[item["kind"]], alpha=0.55 + 0.45 * (item["mb"] % 2), edgecolor="black", linewidth=0.3)
+        ax.set_yticks(range(len(rows)), rows, fontsize=6)
+        ax.invert_yaxis()
+        predicted = (summary.get("predicted") or {}).get("decode", {})
+        label = f"{summary['env']} {summary['config']}: M={summary['micro_batches']}, step {summary['timeline_chain_s'] * 1e3:.0f} ms"
+        if predicted:
+            label += f" (planner: simulated {predicted['simulated_s'] * 1e3:.0f}, closed form {predicted['closed_form_s'] * 1e3:.0f} ms)"
+        ax.set_title(label, fontsize=8)
+    axes[-1, 0].set_xlabel("ms from the client's first send (bars alternate shade per micro-batch)")
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
+               loc="upper right", fontsize=7, ncol=4)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def prediction_table(summaries: list[dict]) -> str:
+    """The planner's predicted chain time beside the measured one, decode and prefill steps."""
+    header = "| env | config | M | decode measured ms | simulated ms (ratio) | closed form ms (ratio) | prefill measured ms | simulated ms (ratio) | closed form ms (ratio) |"
+    lines = [header, _rule(header)]
+    for s in summaries:
+        cells = [s["env"], s["config"], ",".join(map(str, s.get("micro_batches", [])))]
+        for kind in ("decode", "prefill"):
+            p = (s.get("predicted") or {}).get(kind)
+            if not p:
+                cells += ["-", "-", "-"]
+                continue
+            cells += [_ms(p["measured_s"])] + [f"{_ms(p[key])} ({p[key] / p['measured_s']:.2f})"
+                                                for key in ("simulated_s", "closed_form_s")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_sweep_outputs(out_dir: Path, meta: dict, summaries: list[dict], plots: bool = True) -> dict[str, str]:
     """summary.md, summary.json and (with matplotlib) throughput.png, transport.png, breakdown.png in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,8 +263,9 @@ def write_sweep_outputs(out_dir: Path, meta: dict, summaries: list[dict], plots:
             plot_throughput(out_dir / "throughput.png", summaries, title)
             plot_breakdown(out_dir / "breakdown.png", summaries, title)
             plot_transport(out_dir / "transport.png", summaries, title)
+            plot_timelines(out_dir / "timeline.png", summaries, title)
             paths.update(throughput_png=str(out_dir / "throughput.png"), breakdown_png=str(out_dir / "breakdown.png"),
-                         transport_png=str(out_dir / "transport.png"))
+                         transport_png=str(out_dir / "transport.png"), timeline_png=str(out_dir / "timeline.png"))
         except ImportError:
             pass  # no matplotlib: tables only
     return paths

@@ -146,8 +146,8 @@ class Workload:
         head_dtype = next(head.parameters()).dtype
         steps: list[dict] = []
         with model.remote.inference_session(max_length=max_length, batch_size=ids.shape[0]) as session:
-            chain = [{"peer_id": span.peer_id, "name": span.record.public_name, "start": span.start, "end": span.end}
-                     for span in session.spans]
+            chain = [{"peer_id": span.peer_id, "name": span.record.public_name, "start": span.start, "end": span.end,
+                      "profile": span.record.profile, "dtype": span.record.dtype} for span in session.spans]
             tokens = ids
             began = time.perf_counter()
             for index in range(new_tokens):
@@ -173,8 +173,10 @@ def step_record(kind: str, hidden, stats, wall_s: float, head_s: float) -> dict:
         "kind": kind, "tokens": int(hidden.shape[1]), "batch": int(hidden.shape[0]), "wall_s": wall_s, "head_s": head_s,
         "chain_s": stats.total_s, "client_encode_s": stats.client_encode_s, "client_decode_s": stats.client_decode_s,
         "client_layout": stats.client_layout, "sent_raw_bytes": stats.sent_raw_bytes, "sent_wire_bytes": stats.sent_wire_bytes,
-        "received_wire_bytes": stats.received_wire_bytes,
+        "received_wire_bytes": stats.received_wire_bytes, "micro_batches": stats.micro_batches,
         "reports": [report.model_dump() if report is not None else None for report in stats.reports],
+        "sent_at": stats.sent_at, "received_at": stats.received_at,
+        "micro_batch_reports": [[report.model_dump() for report in reports] for reports in stats.micro_batch_reports],
     }
 
 

@@ -123,11 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bloombee-plan: {exc}", file=sys.stderr)
         return 1
     others = baselines(inputs)
-    simulated = None
+    cpus = {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
     if args.plot:
-        simulated = plot_schedule(best.evaluation, args.plot)
+        simulated = plot_schedule(best.evaluation, args.plot, cpus=cpus)
     else:
-        simulated = simulate(best.evaluation)[1]
+        simulated = simulate(best.evaluation, cpus)[1]
     current = current_layout(inputs, ranges, best) if ranges is not None else None
     if args.json:
         report = json_report(inputs, best, others, simulated)

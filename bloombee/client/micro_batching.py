@@ -4,7 +4,8 @@ The chain's servers announce their planner profile (per-block cost table, memory
 and link speed in their DHT records. From them this module builds the planner's inputs for the
 chain as routed (one node per span, its blocks as the assignment) and scores every candidate M
 with the planner's own step model and event simulation (`bloombee.planner.evaluate` and
-`schedule.simulate`), then takes the fastest. A step of T tokens per row is scored as a decode
+`schedule.simulate`, in which servers computing on the CPU of one machine share its cores), then
+takes the fastest. A step of T tokens per row is scored as a decode
 step of B x T rows (compute and activation bytes both scale with the tokens of a micro-batch).
 """
 
@@ -34,12 +35,13 @@ class MicroBatchChooser:
         self._unprofiled: set[str] = set()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        inputs = self.chain_inputs(spans, batch_size * num_tokens, context)
-        if inputs is None:
-            return 1
         assignment = [span.end - span.start for span in spans]
-        times = {m: predicted_step_s(inputs, assignment, batch_size * num_tokens, m)
-                 for m in CANDIDATES if m <= batch_size}
+        times = {}
+        for m in (m for m in CANDIDATES if m <= batch_size):
+            inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
+            if inputs is None:
+                return 1
+            times[m] = predicted_step_s(inputs, assignment, batch_size * num_tokens, m)
         return min(times, key=times.get)
 
     def chain_inputs(self, spans: Sequence[Span], rows: int, context: int) -> PlanInputs | None:
@@ -52,22 +54,32 @@ class MicroBatchChooser:
                 logger.warning("micro_batches=auto: servers %s announce no planner profile, so steps through them "
                                "are not split", ", ".join(sorted(new)))
             return None
-        nodes = [node_for(span) for span in spans]
-        return PlanInputs.model_validate({
-            "model": self.model | {"num_blocks": spans[-1].end - spans[0].start},
-            "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
-                         "dtype": planner_dtype(spans[0].record.dtype), "compression": self.compression},
-            "client": {"link": link(self.link_mbps)},
-            "nodes": nodes,
-        })
+        nodes = [{**span.record.profile, "name": f"{span.peer_id}:{span.start}"} for span in spans]
+        links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
+        return chain_inputs(self.model, nodes, links, spans[-1].end - spans[0].start, rows, context,
+                            spans[0].record.dtype, self.compression)
 
 
-def node_for(span: Span) -> dict:
-    """The planner node of one span's server: its announced profile, with the link it announces now."""
-    node = dict(span.record.profile)
-    node["name"] = f"{span.peer_id}:{span.start}"
-    node["link"] = link(span.record.link_bandwidth * 8 / 1e6)
-    return node
+def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], num_blocks: int, rows: int, context: int,
+                 dtype: str, compression: str, hop_mbps: Sequence[float] | None = None) -> PlanInputs:
+    """Planner inputs of a chain of `nodes` (planner node dicts without links) covering `num_blocks` blocks.
+
+    `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
+    last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
+    `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
+    """
+    names = [node["name"] for node in nodes]
+    overrides = [] if hop_mbps is None else [
+        {"src": src, "dst": dst, "bandwidth_mbps": mbps}
+        for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
+    return PlanInputs.model_validate({
+        "model": model | {"num_blocks": num_blocks},
+        "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
+                     "dtype": planner_dtype(dtype), "compression": compression},
+        "client": {"link": link(links_mbps[0])},
+        "nodes": [{**node, "link": link(mbps)} for node, mbps in zip(nodes, links_mbps[1:])],
+        "link_overrides": overrides,
+    })
 
 
 def link(mbps: float) -> dict:
@@ -80,7 +92,13 @@ def planner_dtype(dtype: str) -> str:
 
 def predicted_step_s(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> float:
     """The simulated time of one step of `rows` rows in `micro_batches` micro-batches (inf if it does not fit)."""
+    return predicted_times(inputs, assignment, rows, micro_batches)["simulated_s"]
+
+
+def predicted_times(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> dict[str, float]:
+    """The planner's closed form (eq. 4) and its event simulation of one step (inf where it does not fit)."""
     evaluation = evaluate(inputs, assignment, rows, micro_batches)
     if not evaluation.feasible:
-        return float("inf")
-    return simulate(evaluation)[1]
+        return {"closed_form_s": float("inf"), "simulated_s": float("inf")}
+    cpus = {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
+    return {"closed_form_s": evaluation.step_time_s, "simulated_s": simulate(evaluation, cpus)[1]}

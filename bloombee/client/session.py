@@ -60,8 +60,12 @@ class StepStats:
     total_s: float = 0.0
     micro_batches: int = 1
     reports: list[HopReport] = field(default_factory=list)  # one per server, in chain order, summed over micro-batches
+    sent_at: list[float] = field(default_factory=list)  # wall-clock time each micro-batch left the client
+    received_at: list[float] = field(default_factory=list)  # ... and each output arrived, in arrival order
+    micro_batch_reports: list[list[HopReport]] = field(default_factory=list)  # each output's reports, in arrival order
 
     def add_sent(self, encoded: EncodedTensors) -> None:
+        self.sent_at.append(time.time())
         if not self.sent_raw_bytes:
             self.client_layout = encoded.layout
         self.client_encode_s += encoded.seconds
@@ -70,6 +74,8 @@ class StepStats:
 
     def add_received(self, reports: tuple[HopReport, ...], decode_s: float, wire_bytes: int) -> None:
         """One micro-batch's output arrived with every server's report of it."""
+        self.received_at.append(time.time() - decode_s)
+        self.micro_batch_reports.append(list(reports))
         self.client_decode_s += decode_s
         self.received_wire_bytes += wire_bytes
         if not self.reports:

@@ -234,6 +234,14 @@ class LinkMatrix(_Strict):
 # ------------------------------------------------------------------------------------------- nodes
 
 
+class CpuShare(_Strict):
+    """A node that computes on a CPU: which machine it runs on and how many of its cores its compute uses."""
+
+    host: str = Field(min_length=1, description="machine fingerprint: nodes with the same host share its cores")
+    threads: int = Field(ge=1, description="compute threads of this node")
+    cores: int = Field(ge=1, description="cores of the machine")
+
+
 class NodeSpec(_Strict):
     name: str = Field(min_length=1)
     gpu: str | None = Field(None, description="free text, e.g. 'RTX 4090'")
@@ -243,6 +251,7 @@ class NodeSpec(_Strict):
     cost: BlockCost
     link: LinkSpec
     compression: CompressionSpec | None = None
+    cpu: CpuShare | None = None
 
 
 class ClientSpec(_Strict):

@@ -9,14 +9,20 @@ The planner's objective is the closed form of ``evaluate`` (eq. 4); the simulati
 ``--plot`` draws, and its makespan is reported alongside. The two agree for M = 1. For M >= 2 the
 simulated makespan of identical micro-batches through 2N' + 1 serial resources is
 sum(all times) + (M - 1) * max(time), which is below eq. 4's (M + N' - 1) * max when compute and
-transfer are unbalanced and above it when every stage is close to the bottleneck in both.
+transfer are unbalanced and above it when every stage is close to the bottleneck in both. Nodes that
+compute on the CPU of one machine share its cores while their micro-batches overlap (processor
+sharing), which the simulation models when given the nodes' CPU shares and eq. 4 does not; netbench
+shows the simulation is the one that matches measurement, so the client's `micro_batches="auto"`
+decides with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .evaluate import Evaluation
+from .inputs import CpuShare
 
 
 @dataclass
@@ -28,30 +34,77 @@ class Interval:
     end_s: float
 
 
-def simulate(evaluation: Evaluation) -> tuple[list[Interval], float]:
-    """(intervals, makespan in seconds) of one step of this (feasible) evaluation."""
+def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None) -> tuple[list[Interval], float]:
+    """(intervals, makespan in seconds) of one step of this (feasible) evaluation.
+
+    ``cpus`` (node name -> CpuShare) marks nodes that compute on a CPU: the compute of nodes on the
+    same host shares its cores (processor sharing), so overlapping micro-batches there run slower;
+    without it every compute runs at its own speed.
+    """
     if not evaluation.feasible:
         raise ValueError(f"cannot schedule an infeasible plan: {evaluation.reason}")
-    stages = evaluation.active_stages
-    client_hop = evaluation.client_hop
-    rows_free: dict[str, float] = {}
+    tasks = _tasks(evaluation)
+    cpus = cpus or {}
+    done = [[None] * len(path) for path in tasks]  # end time of task k of micro-batch mb
+    started = [[False] * len(path) for path in tasks]
+    next_on: dict[str, int] = {}  # resource -> micro-batch whose turn it is
+    active: dict[tuple[int, int], list] = {}  # (mb, k) -> [remaining nominal seconds, start time]
     intervals: list[Interval] = []
+    now = 0.0
+    while True:
+        _start_ready(tasks, done, started, next_on, active, now)
+        if not active:
+            break
+        rates = _rates(tasks, active, cpus)
+        step = min(remaining / rates[key] for key, (remaining, _) in active.items())
+        now += step
+        for key in list(active):
+            active[key][0] -= step * rates[key]
+            if active[key][0] <= 1e-12:
+                mb, k = key
+                row, kind, _ = tasks[mb][k]
+                intervals.append(Interval(row, kind, mb, active.pop(key)[1], now))
+                done[mb][k] = now
+                next_on[row] = mb + 1
+    return intervals, now
 
-    def run(row: str, kind: str, mb: int, ready: float, duration: float) -> float:
-        start = max(ready, rows_free.get(row, 0.0))
-        end = start + duration
-        rows_free[row] = end
-        intervals.append(Interval(row, kind, mb, start, end))
-        return end
 
-    makespan = 0.0
-    for mb in range(evaluation.micro_batches):
-        t = run(f"client -> {client_hop.dst}", "transfer", mb, 0.0, client_hop.time_s)
-        for stage in stages:
-            t = run(f"{stage.node} compute", "compute", mb, t, stage.t_comp_s)
-            t = run(f"{stage.node} -> {stage.hop.dst}", "transfer", mb, t, stage.t_comm_s)
-        makespan = max(makespan, t)
-    return intervals, makespan
+def _tasks(evaluation: Evaluation) -> list[list[tuple[str, str, float]]]:
+    """Per micro-batch, its (resource, kind, seconds) in order: client send, then compute and send per stage."""
+    path = [(f"client -> {evaluation.client_hop.dst}", "transfer", evaluation.client_hop.time_s)]
+    for stage in evaluation.active_stages:
+        path += [(f"{stage.node} compute", "compute", stage.t_comp_s), (f"{stage.node} -> {stage.hop.dst}", "transfer", stage.t_comm_s)]
+    return [list(path) for _ in range(evaluation.micro_batches)]
+
+
+def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
+    """Start every task whose micro-batch reached it and whose resource is free and at its turn."""
+    for mb, path in enumerate(tasks):
+        for k, (row, _, seconds) in enumerate(path):
+            if started[mb][k] or (k and done[mb][k - 1] is None) or next_on.get(row, 0) != mb:
+                continue
+            started[mb][k] = True
+            active[(mb, k)] = [seconds, now]
+
+
+def _rates(tasks, active, cpus: Mapping[str, CpuShare]) -> dict[tuple[int, int], float]:
+    """Progress per second of each running task: compute on a shared host gets its share of the cores."""
+    demand: dict[str, int] = {}
+    for mb, k in active:
+        node = _compute_node(tasks[mb][k])
+        if node in cpus:
+            demand[cpus[node].host] = demand.get(cpus[node].host, 0) + cpus[node].threads
+    rates = {}
+    for mb, k in active:
+        node = _compute_node(tasks[mb][k])
+        share = cpus.get(node)
+        rates[(mb, k)] = 1.0 if share is None else min(1.0, share.cores / demand[share.host])
+    return rates
+
+
+def _compute_node(task: tuple[str, str, float]) -> str | None:
+    row, kind, _ = task
+    return row.removesuffix(" compute") if kind == "compute" else None
 
 
 def row_order(evaluation: Evaluation) -> list[str]:
@@ -61,7 +114,7 @@ def row_order(evaluation: Evaluation) -> list[str]:
     return rows
 
 
-def plot_schedule(evaluation: Evaluation, path: str, title: str = "") -> float:
+def plot_schedule(evaluation: Evaluation, path: str, title: str = "", cpus: Mapping[str, CpuShare] | None = None) -> float:
     """Draw the schedule as a Gantt chart (PNG); returns the simulated makespan in seconds."""
     try:
         import matplotlib  # noqa: PLC0415
@@ -71,7 +124,7 @@ def plot_schedule(evaluation: Evaluation, path: str, title: str = "") -> float:
         from matplotlib.patches import Patch  # noqa: PLC0415
     except ImportError as exc:  # pragma: no cover - matplotlib is a dev extra
         raise RuntimeError("--plot needs matplotlib (pip install 'bloombee[dev]')") from exc
-    intervals, makespan = simulate(evaluation)
+    intervals, makespan = simulate(evaluation, cpus)
     rows = row_order(evaluation)
     index = {row: i for i, row in enumerate(rows)}
     cmap = plt.get_cmap("tab10" if evaluation.micro_batches <= 10 else "viridis")

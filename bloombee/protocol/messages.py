@@ -67,6 +67,9 @@ class HopReport(BaseModel):
     compute_s: float = 0.0
     encode_s: float = 0.0
     batch_offset: int = 0  # the micro-batch's first row
+    decode_at: float = 0.0  # wall-clock time (time.time()) each part began, for timelines
+    compute_at: float = 0.0
+    encode_at: float = 0.0
     duplicate: bool = False  # the step had come before: not computed again, its earlier output sent on
 
 

@@ -44,6 +44,7 @@ _END = object()
 class DecodedStep:
     header: StepHeader
     tensors: dict[str, torch.Tensor]
+    decode_at: float
     decode_s: float
 
 
@@ -69,7 +70,8 @@ class SessionPipeline:
         self.replies.put_nowait(pack(message))
 
     async def responses(self) -> AsyncIterator[Envelope]:
-        stages = [asyncio.create_task(stage()) for stage in (self._decode_stage, self._compute_stage, self._send_stage)]
+        stages = [asyncio.create_task(self._guarded(stage))
+                  for stage in (self._decode_stage, self._compute_stage, self._send_stage)]
         try:
             while True:
                 reply = await self.replies.get()
@@ -80,6 +82,15 @@ class SessionPipeline:
             for task in stages:
                 task.cancel()
             await asyncio.gather(*stages, return_exceptions=True)
+
+    async def _guarded(self, stage) -> None:
+        """Run a stage; if it fails unexpectedly, tell the client and end the session rather than hang it."""
+        try:
+            await stage()
+        except Exception as error:
+            logger.exception("Session %s: its step pipeline failed", self.session.session_id)
+            self._error(ErrorKind.INTERNAL, f"the server's step pipeline failed: {type(error).__name__}: {error}", None)
+            self.replies.put_nowait(_END)
 
     def _error(self, kind: ErrorKind, text: str, step_id: int | None) -> None:
         self.replies.put_nowait(pack(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id)))
@@ -112,11 +123,11 @@ class SessionPipeline:
                 return message
             if message.kind != MessageKind.STEP or message.step is None:
                 raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
-            began = time.perf_counter()
+            began, decode_at = time.perf_counter(), time.time()
             _, tensors = await self.servicer.run_codec(unpack, item)
             if "hidden" not in tensors:
                 raise InvalidStep("a step needs a 'hidden' tensor")
-            return DecodedStep(message.step, tensors, time.perf_counter() - began)
+            return DecodedStep(message.step, tensors, decode_at, time.perf_counter() - began)
         except self.servicer.BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), step_id)
             return None
@@ -149,7 +160,7 @@ class SessionPipeline:
         key = (header.step_id, header.batch_offset)
         duplicate = key in self.applied
         try:
-            began = time.perf_counter()
+            began, compute_at = time.perf_counter(), time.time()
             if duplicate:
                 out = self._earlier_output(header, tensors["hidden"])
             else:
@@ -166,7 +177,8 @@ class SessionPipeline:
             self._error(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", header.step_id)
             return None
         report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, compute_s=compute_s,
-                           batch_offset=header.batch_offset, duplicate=duplicate)
+                           batch_offset=header.batch_offset, decode_at=step.decode_at, compute_at=compute_at,
+                           duplicate=duplicate)
         sent_on = {"hidden": out}
         if header.route:
             sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
@@ -203,8 +215,9 @@ class SessionPipeline:
             return
         servicer = self.servicer
         policy = servicer.push_policy(next_hop) if next_hop else servicer.reply_policy(self.session, header.reply_decode_speed)
+        encode_at = time.time()
         encoded = await servicer.run_codec(encode_tensors, step.sent_on, policy)
-        report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes,
+        report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
                                                wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
         reports = header.reports + (report,)
         if next_hop is None:

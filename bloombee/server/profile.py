@@ -7,8 +7,10 @@ of a step over that cache), once with the cache on the server's device and once 
 memory computed by the CPU.
 """
 
+import hashlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +26,9 @@ from bloombee.server.sessions import Session
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-MICRO_BATCHES = (1, 4, 16)
+MICRO_BATCHES = (1, 4, 16, 64, 256, 1024)
+LONG_CACHE_ROWS = 64  # larger sizes are timed over a 1-token cache only (a long one would take minutes to fill)
+PROFILE_VERSION = 4  # part of the cache key: figures measured by an older method are measured again
 
 
 def _session(backend: BlockBackend, batch: int, max_length: int) -> Session:
@@ -35,7 +39,7 @@ def _session(backend: BlockBackend, batch: int, max_length: int) -> Session:
                    output_history=torch.zeros(batch, max_length, backend.hidden_size, dtype=backend.dtype))
 
 
-def _decode_ms(backend: BlockBackend, batch: int, context: int, repeats: int = 3) -> tuple[float, torch.Tensor]:
+def _decode_ms(backend: BlockBackend, batch: int, context: int, repeats: int = 5) -> tuple[float, torch.Tensor]:
     """Milliseconds of one decode step of one block over a `context`-token cache (best of `repeats`)."""
     session = _session(backend, batch, context + repeats + 1)
     prompt = torch.randn(batch, context, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
@@ -51,14 +55,33 @@ def _decode_ms(backend: BlockBackend, batch: int, context: int, repeats: int = 3
 
 
 def _cost_columns(backend: BlockBackend, seq_len: int) -> tuple[list[float], list[float]]:
-    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens)."""
+    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens).
+
+    Sizes above LONG_CACHE_ROWS (as many rows as a prompt step of a batch carries tokens) are timed
+    without a long cache; their attention time extends the line of the sizes before."""
     mlp, attention = [], []
-    for batch in MICRO_BATCHES:
+    for index, batch in enumerate(MICRO_BATCHES):
         short, _ = _decode_ms(backend, batch, 1)
-        full, _ = _decode_ms(backend, batch, seq_len)
         mlp.append(short)
+        if batch > LONG_CACHE_ROWS:
+            before, last = MICRO_BATCHES[index - 2], MICRO_BATCHES[index - 1]
+            slope = max(attention[-1] - attention[-2], 0.0) / (last - before)
+            attention.append(attention[-1] + slope * (batch - last))
+            continue
+        full, _ = _decode_ms(backend, batch, seq_len)
         attention.append(max(full - short, 0.0))
     return mlp, attention
+
+
+def host_fingerprint() -> str:
+    """The same for every process on this machine (across network namespaces), different between machines."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            parts.append(socket.gethostname())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def _memory_gib(device: torch.device) -> tuple[float, float]:
@@ -80,11 +103,14 @@ def _codec_figures(hidden: torch.Tensor) -> dict:
             "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded, 1e-9)}
 
 
-def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float,
+def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float, device: torch.device,
                    cache_path: Path = CACHE_DIR / "profiles.json") -> dict:
-    """The planner node of this server: what `measure()` returns (measured once per `key`), named and with its link."""
-    node = {**cached(cache_path, key, measure), "name": name,
+    """The planner node of this server: what `measure()` returns (measured once per `key`), named, with its link
+    and, on a CPU, the machine and cores its compute shares with other servers there."""
+    node = {**cached(cache_path, f"{key}|v{PROFILE_VERSION}", measure), "name": name,
             "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0}}
+    if device.type == "cpu":
+        node["cpu"] = {"host": host_fingerprint(), "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
     NodeSpec.model_validate(node)
     return node
 
@@ -93,7 +119,7 @@ def measure_profile(backend: BlockBackend, cpu_backend: BlockBackend | None, seq
     """The planner node of this server; `cpu_backend` (one block on the CPU) measures host-memory attention."""
     mlp, attention_device = _cost_columns(backend, seq_len)
     attention_host = attention_device if cpu_backend is None else _cost_columns(cpu_backend, seq_len)[1]
-    _, sample = _decode_ms(backend, MICRO_BATCHES[-1], seq_len, repeats=1)
+    _, sample = _decode_ms(backend, 16, seq_len, repeats=1)  # a prompt step's outputs: what the codec sees
     device_memory, host_memory = _memory_gib(backend.device)
     device_name = torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu"
     node = {

@@ -84,7 +84,7 @@ class Server:
         name = self.public_name or self.dht.peer_id.to_base58()
         key = f"{self.prefix}|{self.backend.start}:{self.backend.end}|{self.device.type}|{self.backend.dtype}"
         node = cached_profile(key, lambda: measure_profile(self.backend, self._cpu_backend()), name,
-                              self.link_bandwidth * 8 / 1e6)
+                              self.link_bandwidth * 8 / 1e6, self.device)
         if path is None:
             return node
         path.parent.mkdir(parents=True, exist_ok=True)
