@@ -27,10 +27,11 @@ def profile(mlp_ms: tuple[float, float, float]) -> dict:
             "compression": {"ratio": 1.1, "compress_mb_per_s": 400.0, "decompress_mb_per_s": 1000.0}}
 
 
-def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL_FEATURES) -> Span:
+def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL_FEATURES, planned=(None, None)) -> Span:
     record = ServerRecord(state=ServerState.ONLINE, start_block=start, end_block=end, throughput=10.0,
                           link_bandwidth=mbps * 1e6 / 8, cache_tokens_left=1 << 20, dtype="float32", device="cpu",
-                          version="test", codec_version=CODEC_VERSION, features=features, profile=node)
+                          version="test", codec_version=CODEC_VERSION, features=features, profile=node,
+                          planned_batch_size=planned[0], planned_micro_batches=planned[1])
     return Span(f"peer{start}", start, end, record)
 
 
@@ -91,3 +92,14 @@ def test_micro_batches_only_through_servers_that_announce_them():
     old = [span(0, 3, 20.0, None), span(3, 6, 20.0, None, features=REQUIRED_FEATURES)]
     fixed, streams = session(ClientSettings(micro_batches=3), old)
     assert fixed.micro_batches_for(streams, 1, 8) == 1
+
+
+def test_auto_takes_the_plans_micro_batches_for_the_batch_it_planned():
+    planned = [span(0, 3, 20.0, profile((10.0, 30.0, 110.0)), planned=(8, 2)),
+               span(3, 6, 20.0, profile((10.0, 30.0, 110.0)), planned=(8, 2))]
+    session = InferenceSession(None, None, 64, 8, 2048, ClientSettings(), None, 0.0, lambda *args: 4)
+    streams = [SpanStream(s, asyncio.Queue()) for s in planned]
+    assert session.micro_batches_for(streams, 1, 9) == 2  # a decode step of the planned batch: the plan's M
+    assert session.micro_batches_for(streams, 16, 16) == 4  # a prompt step: the live model
+    other = InferenceSession(None, None, 64, 4, 2048, ClientSettings(), None, 0.0, lambda *args: 3)
+    assert other.micro_batches_for(streams, 1, 9) == 3  # another batch size: the live model

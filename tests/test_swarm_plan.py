@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from bloombee.dht.records import fetch_records
 from bloombee.planner import NodeSpec
 from bloombee.planner.placement import current_assignment, node_range
 from swarm_support import save_tiny_llama, start_swarm
@@ -67,6 +68,10 @@ def test_plan_for_the_live_swarm_and_follow_it(swarm, tmp_path):
     start, end, _ = node_range(report, report["nodes"][busiest])
     swarm.add_server("--plan", str(plan_path), "--node", report["nodes"][busiest], "--dtype", "float32", name="planned")
     assert swarm.online_names()["planned"] == (start, end)
+    record = next(record for records in fetch_records(swarm.dht, swarm.prefix, swarm.num_blocks)
+                  for record in records.values() if record.public_name == "planned")
+    assert (record.planned_batch_size, record.planned_micro_batches) == (
+        report["plan"]["batch_size"], report["plan"]["micro_batches"])
 
 
 def test_servers_without_a_profile_are_left_out_of_the_plan(swarm):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
 from bloombee.dht.peers import start_dht, visible_maddrs
-from bloombee.planner.placement import node_range
+from bloombee.planner.placement import node_range, plan_schedule
 from bloombee.server.server import BlockChoice, Server
 from bloombee.settings import ServerSettings, load_settings
 
@@ -70,15 +70,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.plan:
         if not args.node:
             raise SystemExit("bloombee-server: --plan needs --node NAME (the node's name in the plan)")
-        start, end, alpha = node_range(json.loads(Path(args.plan).read_text()), args.node)
+        report = json.loads(Path(args.plan).read_text())
+        start, end, alpha = node_range(report, args.node)
         check_offload(alpha, args.device)
+        planned = plan_schedule(report)
     else:
         start, end = args.blocks or (None, None)
+        planned = None
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
     try:
         server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
                         public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
-                        profile=not args.no_profile, profile_path=args.profile)
+                        profile=not args.no_profile, profile_path=args.profile, planned=planned)
         asyncio.run(server.run())
     finally:
         dht.shutdown()

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 CANDIDATES = (1, 2, 4, 8, 16, 32)
 # fixed cost of one message on one hop beyond its bytes (headers, p2p daemons, event loops), measured by netbench on E1
 MESSAGE_OVERHEAD_MS = 1.5
+CONTEXT_BUCKET = 32  # steps whose context differs by less are scored alike
+MAX_REMEMBERED = 1024  # decisions kept per model
 
 
 class MicroBatchChooser:
@@ -33,8 +35,19 @@ class MicroBatchChooser:
         self.model = model_section_from_config(config)
         self.link_mbps, self.compression = link_mbps, compression
         self._unprofiled: set[str] = set()
+        self._chosen: dict[tuple, int] = {}
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
+        """M for one step; the same chain, batch and tokens over a context of the same 32-token bucket reuse it."""
+        key = (tuple((s.peer_id, s.start, s.end, s.record.link_bandwidth) for s in spans), batch_size, num_tokens,
+               -(-context // CONTEXT_BUCKET))
+        if key not in self._chosen:
+            if len(self._chosen) >= MAX_REMEMBERED:
+                self._chosen.clear()
+            self._chosen[key] = self._choose(spans, batch_size, num_tokens, context)
+        return self._chosen[key]
+
+    def _choose(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
         assignment = [span.end - span.start for span in spans]
         times = {}
         for m in (m for m in CANDIDATES if m <= batch_size):

@@ -231,13 +231,22 @@ class InferenceSession:
         self._learn_decode_speeds(chain, stats)
         return torch.cat([outputs[offset] for offset, _ in parts]) if len(parts) > 1 else outputs[0]
 
+    def planned_micro_batches(self, chain: list[SpanStream], num_tokens: int) -> int | None:
+        """The M of the plan every server of `chain` follows, for the decode steps of the batch size it planned."""
+        plans = {(s.span.record.planned_batch_size, s.span.record.planned_micro_batches) for s in chain}
+        if len(plans) != 1 or num_tokens != 1:
+            return None
+        batch, micro_batches = plans.pop()
+        return micro_batches if batch == self.batch_size else None
+
     def micro_batches_for(self, chain: list[SpanStream], num_tokens: int, context: int) -> int:
         """How many micro-batches a step of `num_tokens` tokens per row (over `context` cached ones) goes in."""
         if self.batch_size == 1 or not all("micro_batches" in stream.span.record.features for stream in chain):
             return 1
         wanted = self.settings.micro_batches
         if wanted == "auto":
-            wanted = self.choose_micro_batches([stream.span for stream in chain], self.batch_size, num_tokens, context)
+            wanted = self.planned_micro_batches(chain, num_tokens) or self.choose_micro_batches(
+                [stream.span for stream in chain], self.batch_size, num_tokens, context)
         return max(1, min(int(wanted), self.batch_size))
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:

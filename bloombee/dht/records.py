@@ -37,6 +37,8 @@ class ServerRecord(BaseModel):
     features: tuple[str, ...] = ()
     maddrs: tuple[str, ...] = ()
     profile: dict[str, Any] | None = Field(None, description="planner node measured by --profile: memory, cost table, link, codec")
+    planned_batch_size: int | None = Field(None, ge=1, description="batch size B of the plan this server follows")
+    planned_micro_batches: int | None = Field(None, ge=1, description="micro-batches M that plan chose for B")
 
     @model_validator(mode="after")
     def _check_range(self) -> "ServerRecord":

@@ -17,6 +17,11 @@ def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
     return start, start + assignment[index], float(report["plan"]["alphas"][index])
 
 
+def plan_schedule(report: dict[str, Any]) -> tuple[int, int]:
+    """(batch size B, micro-batches M) a `bloombee-plan --json` report planned the pipeline for."""
+    return int(report["plan"]["batch_size"]), int(report["plan"]["micro_batches"])
+
+
 def current_assignment(ranges: list[tuple[str, int, int]], num_blocks: int) -> tuple[list[int] | None, str]:
     """The swarm's layout as a planner assignment when it is one pipeline (ranges tile [0, L) in order)."""
     position, assignment = 0, []

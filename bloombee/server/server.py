@@ -41,7 +41,7 @@ class Server:
 
     def __init__(self, model: str, dht: hivemind.DHT, blocks: BlockChoice, settings: ServerSettings,
                  device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6,
-                 profile: bool = True, profile_path: str | None = None):
+                 profile: bool = True, profile_path: str | None = None, planned: tuple[int, int] | None = None):
         self.model_path = resolve_model(model)
         self.config = load_model_config(self.model_path)
         self.prefix = dht_prefix(model)
@@ -49,6 +49,7 @@ class Server:
         self.dht, self.settings, self.blocks = dht, settings, blocks
         self.device, self.dtype_name = torch.device(device), dtype
         self.public_name, self.link_bandwidth = public_name, link_bandwidth
+        self.planned = planned  # (B, M) of the plan this server follows
         self.budget = CacheBudget(settings.cache_tokens)
         self.registry = SessionRegistry(self.budget)
         self.state = ServerState.JOINING
@@ -117,6 +118,8 @@ class Server:
             features=PROTOCOL_FEATURES,
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
+            planned_batch_size=self.planned[0] if self.planned else None,
+            planned_micro_batches=self.planned[1] if self.planned else None,
         )
 
     def info(self) -> dict:
