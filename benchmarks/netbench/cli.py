@@ -259,8 +259,7 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
                     record["failed_attempts"] = record.get("failed_attempts", []) + rep["failed_attempts"]
             for config in group_configs:
                 record = records[(env.name, config.name)]
-                record["summary"] = metrics.summarize(record)
-                record["summary"]["predicted"] = predict.predictions(record)
+                record["summary"] = summarize(record)
                 (out_dir / "runs" / f"{config.name}-{env.name}.json").write_text(json.dumps(report.clean_json(record), indent=1))
                 log_summary(record["summary"])
     finally:
@@ -377,6 +376,11 @@ def new_record(args, env, config, nodes, topology, rep, names, meta, background)
     }
 
 
+def summarize(record: dict) -> dict[str, Any]:
+    """The run's figures with the planner's predictions beside them."""
+    return {**metrics.summarize(record), "predicted": predict.predictions(record)}
+
+
 def rebuild_report(directory: str) -> dict[str, str]:
     folder = Path(directory)
     previous = json.loads((folder / "summary.json").read_text())["meta"] if (folder / "summary.json").exists() else None
@@ -390,7 +394,7 @@ def rebuild_report(directory: str) -> dict[str, str]:
         env, config = record["env"]["name"], record["config"]["name"]
         return (order_envs.index(env) if env in order_envs else 99, order_configs.index(config) if config in order_configs else 99)
 
-    summaries = [metrics.summarize(record) for record in sorted(records, key=key)]
+    summaries = [summarize(record) for record in sorted(records, key=key)]
     meta = previous or {"model_name": records[0]["model_name"], "command": "?", "model_note": "?", "hidden_size": "?",
                         "num_blocks": "?", "dtype": records[0]["dtype"], "server_nodes": [], "ranges": records[0]["ranges"],
                         "batch": records[0]["workload"]["batch"], "prompt_len": records[0]["workload"]["prompt_len"],

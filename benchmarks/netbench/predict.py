@@ -36,9 +36,9 @@ def step_prediction(record: dict, step: dict, context: int) -> dict[str, float] 
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
     compression = record["client_settings"].get("compression", "auto")
     tokens = step["tokens"]
-    inputs = chain_inputs(_model_section(record["model_path"]), nodes, hops, chain[-1]["end"] - chain[0]["start"],
-                          step["batch"] * tokens, -(-context // tokens), chain[0]["dtype"], compression, hop_mbps=hops)
     assignment = [span["end"] - span["start"] for span in chain]
+    inputs = chain_inputs(_model_section(record["model_path"]), nodes, hops, assignment,
+                          step["batch"] * tokens, -(-context // tokens), chain[0]["dtype"], compression, hop_mbps=hops)
     return predicted_times(inputs, assignment, step["batch"] * tokens, step.get("micro_batches", 1))
 
 

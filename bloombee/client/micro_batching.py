@@ -24,6 +24,13 @@ logger = logging.getLogger(__name__)
 CANDIDATES = (1, 2, 4, 8, 16, 32)
 # fixed cost of one message on one hop beyond its bytes (headers, p2p daemons, event loops), measured by netbench on E1
 MESSAGE_OVERHEAD_MS = 1.5
+# CPU a server spends on one micro-batch's message beyond its blocks (decode and encode calls, asyncio, protobuf,
+# its p2p daemon), fitted on netbench's pipeline model: the gap between predicted and measured grew by about this
+# much per message and server with M
+MESSAGE_CPU_MS = 3.0
+# what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
+# activations at 0.69 Gbit/s): no hop is faster, whatever its link
+STACK_MBPS = 700.0
 CONTEXT_BUCKET = 32  # steps whose context differs by less are scored alike
 MAX_REMEMBERED = 1024  # decisions kept per model
 
@@ -69,33 +76,49 @@ class MicroBatchChooser:
             return None
         nodes = [{**span.record.profile, "name": f"{span.peer_id}:{span.start}"} for span in spans]
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
-        return chain_inputs(self.model, nodes, links, spans[-1].end - spans[0].start, rows, context,
+        return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
                             spans[0].record.dtype, self.compression)
 
 
-def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], num_blocks: int, rows: int, context: int,
+def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
                  dtype: str, compression: str, hop_mbps: Sequence[float] | None = None) -> PlanInputs:
-    """Planner inputs of a chain of `nodes` (planner node dicts without links) covering `num_blocks` blocks.
+    """Planner inputs of a chain of `nodes` (planner node dicts without links) holding `blocks` blocks each.
 
     `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
     last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
     `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
+    Each node's compute of a micro-batch also pays MESSAGE_CPU_MS for handling the message.
     """
     names = [node["name"] for node in nodes]
     overrides = [] if hop_mbps is None else [
-        {"src": src, "dst": dst, "bandwidth_mbps": mbps}
+        {"src": src, "dst": dst, "bandwidth_mbps": min(mbps, STACK_MBPS)}
         for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
     return PlanInputs.model_validate({
-        "model": model | {"num_blocks": num_blocks},
+        "model": model | {"num_blocks": sum(blocks)},
         "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
                      "dtype": planner_dtype(dtype), "compression": compression},
         "client": {"link": link(links_mbps[0])},
-        "nodes": [{**node, "link": link(mbps)} for node, mbps in zip(nodes, links_mbps[1:])],
+        "nodes": [{**with_message_cost(node, count), "link": link(mbps)}
+                  for node, count, mbps in zip(nodes, blocks, links_mbps[1:])],
         "link_overrides": overrides,
     })
 
 
+def with_message_cost(node: dict, blocks: int) -> dict:
+    """`node` whose per-block compute includes its share of MESSAGE_CPU_MS per micro-batch."""
+    cost = dict(node["cost"])
+    key = "table" if cost.get("table") is not None else "coefficients"
+    times = dict(cost[key])
+    if key == "table":
+        times["mlp_ms"] = [value + MESSAGE_CPU_MS / blocks for value in times["mlp_ms"]]
+    else:
+        times["mlp_ms"] = [times["mlp_ms"][0] + MESSAGE_CPU_MS / blocks, *times["mlp_ms"][1:]]
+    cost[key] = times
+    return {**node, "cost": cost}
+
+
 def link(mbps: float) -> dict:
+    mbps = min(mbps, STACK_MBPS)
     return {"uplink_mbps": mbps, "downlink_mbps": mbps, "latency_ms": MESSAGE_OVERHEAD_MS / 2}
 
 
