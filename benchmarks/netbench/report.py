@@ -263,9 +263,10 @@ def write_sweep_outputs(out_dir: Path, meta: dict, summaries: list[dict], plots:
             plot_throughput(out_dir / "throughput.png", summaries, title)
             plot_breakdown(out_dir / "breakdown.png", summaries, title)
             plot_transport(out_dir / "transport.png", summaries, title)
-            plot_timelines(out_dir / "timeline.png", summaries, title)
+            for env in dict.fromkeys(summary["env"] for summary in summaries):
+                plot_timelines(out_dir / f"timeline-{env}.png", [x for x in summaries if x["env"] == env], f"{title}, {env}")
             paths.update(throughput_png=str(out_dir / "throughput.png"), breakdown_png=str(out_dir / "breakdown.png"),
-                         transport_png=str(out_dir / "transport.png"), timeline_png=str(out_dir / "timeline.png"))
+                         transport_png=str(out_dir / "transport.png"))
         except ImportError:
             pass  # no matplotlib: tables only
     return paths
