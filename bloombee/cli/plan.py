@@ -24,7 +24,7 @@ from bloombee.planner.inputs import read_input_file
 from bloombee.planner.model_config import ModelConfigError, load_model_section
 from bloombee.planner.placement import current_assignment
 from bloombee.planner.report import json_report, text_report
-from bloombee.planner.schedule import plot_schedule, simulate
+from bloombee.planner.schedule import cpu_shares, plot_schedule, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bloombee-plan: {exc}", file=sys.stderr)
         return 1
     others = baselines(inputs)
-    cpus = {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
+    cpus = cpu_shares(inputs)
     if args.plot:
         simulated = plot_schedule(best.evaluation, args.plot, cpus=cpus)
     else:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from bloombee.client.routing import Span
 from bloombee.planner import PlanInputs, evaluate
 from bloombee.planner.model_config import model_section_from_config
-from bloombee.planner.schedule import simulate
+from bloombee.planner.schedule import cpu_shares, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -135,5 +135,4 @@ def predicted_times(inputs: PlanInputs, assignment: list[int], rows: int, micro_
     evaluation = evaluate(inputs, assignment, rows, micro_batches)
     if not evaluation.feasible:
         return {"closed_form_s": float("inf"), "simulated_s": float("inf")}
-    cpus = {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
-    return {"closed_form_s": evaluation.step_time_s, "simulated_s": simulate(evaluation, cpus)[1]}
+    return {"closed_form_s": evaluation.step_time_s, "simulated_s": simulate(evaluation, cpu_shares(inputs))[1]}

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -265,7 +266,7 @@ class InferenceSession:
             self._own_decode_speed.update(raw_bytes / stats.client_decode_s)
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, stats: StepStats | None = None,
-                     offsets: list[int] = (0,)) -> dict[int, torch.Tensor | None]:
+                     offsets: Sequence[int] = (0,)) -> dict[int, torch.Tensor | None]:
         """Wait for message `want` of `step_id` from the last server of `chain`, one per micro-batch (keyed by its
         first row, in any order); raise ServerFailed on any failure."""
         loop = asyncio.get_running_loop()

@@ -18,10 +18,10 @@ from .baselines import BaselineResult, baselines, even_split, greedy
 from .brute import brute_force
 from .costs import StepModel, micro_batch_size
 from .dp import Solution, solve
-from .search import Candidate, Plan, PlanInfeasibleError, plan
 from .evaluate import Evaluation, HopResult, StageResult, evaluate
 from .inputs import ModelSpec, NodeSpec, PlanInputError, PlanInputs, WorkloadSpec
 from .model_config import ModelConfigError, load_model_section, model_section_from_config
+from .search import Candidate, Plan, PlanInfeasibleError, plan
 
 __all__ = [
     "BaselineResult",

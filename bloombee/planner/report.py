@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from .baselines import BaselineResult
-from .search import Plan
 from .evaluate import Evaluation, HopResult
 from .inputs import GIB, PlanInputs
+from .search import Plan
 
 
 def _ms(seconds: float) -> str:

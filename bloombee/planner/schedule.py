@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .evaluate import Evaluation
-from .inputs import CpuShare
+from .inputs import CpuShare, PlanInputs
 
 
 @dataclass
@@ -67,6 +67,11 @@ def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None)
                 done[mb][k] = now
                 next_on[row] = mb + 1
     return intervals, now
+
+
+def cpu_shares(inputs: PlanInputs) -> dict[str, CpuShare]:
+    """Node name -> CPU share of the nodes that compute on a CPU (what `simulate` shares cores by)."""
+    return {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
 
 
 def _tasks(evaluation: Evaluation) -> list[list[tuple[str, str, float]]]:

@@ -13,6 +13,7 @@ from bloombee.protocol.messages import (
     StepHeader,
     encode_tensors,
     envelope,
+    error_envelope,
     pack,
     unpack,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "StepHeader",
     "encode_tensors",
     "envelope",
+    "error_envelope",
     "pack",
     "unpack",
 ]

@@ -150,6 +150,12 @@ def envelope(message: Message, frames: list[runtime_pb2.Tensor] = ()) -> runtime
     return result
 
 
+def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None,
+                   failed_peer: str | None = None) -> runtime_pb2.ExpertRequest:
+    """An error message of `kind` about step `step_id` (and the peer that failed, if one did)."""
+    return envelope(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id, failed_peer=failed_peer))
+
+
 def pack(message: Message, tensors: dict[str, torch.Tensor] | None = None,
          policy: CompressionPolicy | None = None) -> runtime_pb2.ExpertRequest:
     """Envelope for a message and its tensors (raw, or as `policy` decides)."""

@@ -3,7 +3,9 @@
 import logging
 
 import torch
+from pydantic import ValidationError
 
+from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.server.sessions import Session
 
@@ -12,6 +14,9 @@ logger = logging.getLogger(__name__)
 
 class InvalidStep(ValueError):
     """A step's inputs do not fit the session (shape, dtype, positions); the message says what to fix."""
+
+
+BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller's fault: an INVALID error
 
 
 class BlockBackend:

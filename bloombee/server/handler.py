@@ -10,7 +10,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
 
-from bloombee.codec import CodecError, CompressionPolicy
+from bloombee.codec import CompressionPolicy
 from bloombee.protocol import (
     EncodedTensors,
     ErrorKind,
@@ -19,12 +19,13 @@ from bloombee.protocol import (
     MessageKind,
     OpenSession,
     StepHeader,
+    error_envelope,
     pack,
     unpack,
 )
 from bloombee.protocol import envelope as envelope_of
 from bloombee.protocol.service import register_block_service
-from bloombee.server.backend import BlockBackend, InvalidStep
+from bloombee.server.backend import BAD_INPUT, BlockBackend, InvalidStep
 from bloombee.server.pipeline import SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.sessions import Session, SessionRefused, SessionRegistry
@@ -33,17 +34,10 @@ from bloombee.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 Envelope = runtime_pb2.ExpertRequest
-BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller's fault: an INVALID error
-
-
-def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None, failed_peer: str | None = None) -> Envelope:
-    return pack(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id, failed_peer=failed_peer))
 
 
 class BlockServicer:
     """Serves one block range; one instance per server process, registered on the server's P2P."""
-
-    BAD_INPUT = BAD_INPUT
 
     def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict],
                  link_bandwidth: float):

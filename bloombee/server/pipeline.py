@@ -25,8 +25,19 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.proto import runtime_pb2
 
-from bloombee.protocol import ErrorKind, HopReport, Message, MessageKind, StepHeader, encode_tensors, envelope, pack, unpack
-from bloombee.server.backend import InvalidStep
+from bloombee.protocol import (
+    ErrorKind,
+    HopReport,
+    Message,
+    MessageKind,
+    StepHeader,
+    encode_tensors,
+    envelope,
+    error_envelope,
+    pack,
+    unpack,
+)
+from bloombee.server.backend import BAD_INPUT, InvalidStep
 from bloombee.server.sessions import Session
 
 if TYPE_CHECKING:
@@ -93,7 +104,7 @@ class SessionPipeline:
             self.replies.put_nowait(_END)
 
     def _error(self, kind: ErrorKind, text: str, step_id: int | None) -> None:
-        self.replies.put_nowait(pack(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id)))
+        self.replies.put_nowait(error_envelope(kind, text, step_id))
 
     # -- stage 1: receive and decode ---------------------------------------------------------
 
@@ -128,7 +139,7 @@ class SessionPipeline:
             if "hidden" not in tensors:
                 raise InvalidStep("a step needs a 'hidden' tensor")
             return DecodedStep(message.step, tensors, decode_at, time.perf_counter() - began)
-        except self.servicer.BAD_INPUT as error:
+        except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), step_id)
             return None
 
@@ -150,7 +161,7 @@ class SessionPipeline:
     async def _answer_history(self, message: Message) -> None:
         try:
             reply = await self.servicer.run_compute(self.servicer.history_envelope, self.session, message)
-        except self.servicer.BAD_INPUT as error:
+        except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), message.step_id)
             return
         self.replies.put_nowait(reply)
@@ -169,7 +180,7 @@ class SessionPipeline:
                     header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
                 self._remember(key)
             compute_s = time.perf_counter() - began
-        except self.servicer.BAD_INPUT as error:
+        except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), header.step_id)
             return None
         except Exception as error:

@@ -108,4 +108,3 @@ class PushChannel:
             self._changed.notify_all()
         if self._reader is not None:
             self._reader.cancel()
-

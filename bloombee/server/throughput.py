@@ -12,6 +12,7 @@ from bloombee.server.sessions import Session
 
 logger = logging.getLogger(__name__)
 
+
 def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
     """Decode steps per second through one block at batch 1 (total steps x blocks / seconds)."""
     num_blocks = backend.end - backend.start
