@@ -103,3 +103,30 @@ def test_auto_takes_the_plans_micro_batches_for_the_batch_it_planned():
     assert session.micro_batches_for(streams, 16, 16) == 4  # a prompt step: the live model
     other = InferenceSession(None, None, 64, 4, 2048, ClientSettings(), None, 0.0, lambda *args: 3)
     assert other.micro_batches_for(streams, 1, 9) == 3  # another batch size: the live model
+
+
+def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_compute():
+    from bloombee.client.micro_batching import MESSAGE_CPU_MS, chain_inputs
+    from bloombee.planner import evaluate
+    from bloombee.planner.schedule import cpu_shares, simulate
+
+    nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}", "cpu": {"host": f"h{i}", "threads": 1, "cores": 2}}
+             for i in range(3)]
+    model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
+
+    def schedule(micro_batches: int, client_cpu: dict | None, with_cpu: bool = True):
+        chain_nodes = nodes if with_cpu else [{k: v for k, v in node.items() if k != "cpu"} for node in nodes]
+        inputs = chain_inputs(model, chain_nodes, [1e5] * 4, [2, 2, 2], 32, 32, "float32", "off", client_cpu=client_cpu)
+        return simulate(evaluate(inputs, [2, 2, 2], 32, micro_batches), cpu_shares(inputs))
+
+    client = {"host": "c", "threads": 1, "cores": 2}
+    _, without = schedule(1, None, with_cpu=False)
+    _, charged = schedule(1, client)
+    assert charged - without == pytest.approx(4 * 2 * MESSAGE_CPU_MS * 1e-3)  # 4 hops, a sender and a receiver each
+    intervals, _ = schedule(2, client)
+    first = next(i for i in intervals if i.row == "s0 compute" and i.micro_batch == 0)
+    second_arrives = next(i for i in intervals if i.row == "s0 receive" and i.micro_batch == 1)
+    assert first.start_s < second_arrives.start_s < first.end_s  # micro-batch 2 arrives while 1 computes
+    nominal = next(i for i in schedule(2, None, with_cpu=False)[0] if i.row == "s0 compute" and i.micro_batch == 0)
+    slowed = (first.end_s - first.start_s) - (nominal.end_s - nominal.start_s)
+    assert slowed == pytest.approx(MESSAGE_CPU_MS * 1e-3, rel=0.05)  # they took turns on one interpreter

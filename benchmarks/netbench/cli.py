@@ -327,7 +327,7 @@ def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: pre
     got = [hops[0][0]] + [dst for _, dst in hops]
     if got != expected or [span["name"] for span in result["chain"]] != names:
         raise RuntimeError(f"the client routed through {[span['name'] for span in result['chain']]}, expected {names}")
-    return {"chain": result["chain"], "hops": hops, "repeat": {
+    return {"chain": result["chain"], "hops": hops, "client_cpu": result["client_cpu"], "repeat": {
         "steps": result["steps"], "counters": snapshots, "mark_times": marks_at, "generation_s": result["generation_s"],
         "warmup_s": result["warmup_s"], "prompt_source": result["prompt_source"], "qdisc_before": qdisc_before,
         "qdisc_after": topology.qdisc_stats(), "loadavg": os.getloadavg()}}
@@ -370,7 +370,7 @@ def new_record(args, env, config, nodes, topology, rep, names, meta, background)
         "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "warmup_steps": args.warmup_steps, "seed": args.seed},
         "nodes": nodes, "ips": topology.ips, "shaping": topology.shaping_log, "servers": names, "chain": rep["chain"],
-        "hops": rep["hops"], "hop_rates_mbps": [env.rate_mbps(src, dst, nodes) for src, dst in rep["hops"]],
+        "hops": rep["hops"], "client_cpu": rep["client_cpu"], "hop_rates_mbps": [env.rate_mbps(src, dst, nodes) for src, dst in rep["hops"]],
         "client_settings": client_settings(config, env, nodes, args.request_timeout), "server_args": config.server_args(),
         "background": background, "repeats": [],
     }

@@ -38,7 +38,8 @@ def step_prediction(record: dict, step: dict, context: int) -> dict[str, float] 
     tokens = step["tokens"]
     assignment = [span["end"] - span["start"] for span in chain]
     inputs = chain_inputs(_model_section(record["model_path"]), nodes, hops, assignment,
-                          step["batch"] * tokens, -(-context // tokens), chain[0]["dtype"], compression, hop_mbps=hops)
+                          step["batch"] * tokens, -(-context // tokens), chain[0]["dtype"], compression, hop_mbps=hops,
+                          client_cpu=record["client_cpu"])
     return predicted_times(inputs, assignment, step["batch"] * tokens, step.get("micro_batches", 1))
 
 

@@ -127,6 +127,8 @@ class Workload:
             warmup_steps: int = 2, seed: int = 0, marks: bool = True) -> dict:
         import torch
 
+        from bloombee.client.micro_batching import client_cpu_share
+
         model = self._model(allowed, settings)
         ids, source = self.prompt_ids(batch, prompt_len, seed)
         max_length = prompt_len + max(new_tokens, warmup_steps + 1)
@@ -137,7 +139,8 @@ class Workload:
         with torch.inference_mode():
             steps, chain, wall = self._generate(model, ids, new_tokens, max_length, self.channel.mark if marks else None)
         return {"steps": steps, "chain": chain, "generation_s": wall, "warmup_s": warmup_s, "prompt_source": source,
-                "torch_threads": torch.get_num_threads(), "client_settings": settings}
+                "torch_threads": torch.get_num_threads(), "client_settings": settings,
+                "client_cpu": client_cpu_share()}
 
     # -- the generation loop -----------------------------------------------------------------
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from bloombee.client.routing import Span
+from bloombee.host import cpu_share
 from bloombee.planner import PlanInputs, evaluate
 from bloombee.planner.model_config import model_section_from_config
 from bloombee.planner.schedule import cpu_shares, simulate
@@ -22,13 +25,12 @@ from bloombee.planner.schedule import cpu_shares, simulate
 logger = logging.getLogger(__name__)
 
 CANDIDATES = (1, 2, 4, 8, 16, 32)
-# latency of one message on one hop beyond its bytes (headers, p2p daemons, event loops); an estimate: on netbench's
-# pipeline sweep any value from 1.5 to 6 ms moved the predictions by under 3 %
-MESSAGE_OVERHEAD_MS = 1.5
-# CPU a server spends on one micro-batch's message beyond its blocks (decode and encode calls, asyncio, protobuf,
-# its p2p daemon), fitted on netbench's pipeline model: the gap between predicted and measured grew by about this
-# much per message and server with M
-MESSAGE_CPU_MS = 3.0
+# wire latency of one message on one hop beyond its bytes (veth, daemons' sockets)
+MESSAGE_OVERHEAD_MS = 0.2
+# CPU time one message costs each end of a hop on a CPU host (protobuf, asyncio, the p2p daemon, the codec call),
+# taken in turns with that process's compute (one interpreter) and shared with the host's other processes; fitted on
+# netbench's bloombee-tiny and pipeline sweeps, where steps of M micro-batches grew by about this much per message
+MESSAGE_CPU_MS = 0.8
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
 # activations at 0.69 Gbit/s): no hop is faster, whatever its link
 STACK_MBPS = 700.0
@@ -76,49 +78,52 @@ class MicroBatchChooser:
         nodes = [{**span.record.profile, "name": f"{span.peer_id}:{span.start}"} for span in spans]
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
-                            spans[0].record.dtype, self.compression)
+                            spans[0].record.dtype, self.compression, client_cpu=client_cpu_share())
 
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
-                 dtype: str, compression: str, hop_mbps: Sequence[float] | None = None) -> PlanInputs:
+                 dtype: str, compression: str, hop_mbps: Sequence[float] | None = None,
+                 client_cpu: dict | None = None) -> PlanInputs:
     """Planner inputs of a chain of `nodes` (planner node dicts without links) holding `blocks` blocks each.
 
     `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
     last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
     `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
-    Each node's compute of a micro-batch also pays MESSAGE_CPU_MS for handling the message.
+    Every process on a CPU (the nodes that announce a CPU share, and the client when `client_cpu` gives
+    its own) spends MESSAGE_CPU_MS of that CPU on each message it sends or receives.
     """
     names = [node["name"] for node in nodes]
     overrides = [] if hop_mbps is None else [
         {"src": src, "dst": dst, "bandwidth_mbps": min(mbps, STACK_MBPS)}
         for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
+    client = {"link": link(links_mbps[0])}
+    if nodes[0].get("compression") is not None:  # the client runs the same codec; the first server's figures stand in
+        client["compression"] = nodes[0]["compression"]
+    if client_cpu is not None:
+        client["cpu"] = with_message_cost(client_cpu)
     return PlanInputs.model_validate({
         "model": model | {"num_blocks": sum(blocks)},
         "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
                      "dtype": planner_dtype(dtype), "compression": compression},
-        "client": {"link": link(links_mbps[0])},
-        "nodes": [{**with_message_cost(node, count), "link": link(mbps)}
-                  for node, count, mbps in zip(nodes, blocks, links_mbps[1:])],
+        "client": client,
+        "nodes": [{**node, "link": link(mbps)} | ({"cpu": with_message_cost(node["cpu"])} if node.get("cpu") else {})
+                  for node, mbps in zip(nodes, links_mbps[1:])],
         "link_overrides": overrides,
     })
 
 
-def with_message_cost(node: dict, blocks: int) -> dict:
-    """`node` whose per-block compute includes its share of MESSAGE_CPU_MS per micro-batch."""
-    cost = dict(node["cost"])
-    key = "table" if cost.get("table") is not None else "coefficients"
-    times = dict(cost[key])
-    if key == "table":
-        times["mlp_ms"] = [value + MESSAGE_CPU_MS / blocks for value in times["mlp_ms"]]
-    else:
-        times["mlp_ms"] = [times["mlp_ms"][0] + MESSAGE_CPU_MS / blocks, *times["mlp_ms"][1:]]
-    cost[key] = times
-    return {**node, "cost": cost}
+def with_message_cost(cpu: dict) -> dict:
+    return {**cpu, "message_ms": MESSAGE_CPU_MS}
 
 
 def link(mbps: float) -> dict:
     mbps = min(mbps, STACK_MBPS)
     return {"uplink_mbps": mbps, "downlink_mbps": mbps, "latency_ms": MESSAGE_OVERHEAD_MS / 2}
+
+
+def client_cpu_share() -> dict:
+    """This client process's CPU share: in a swarm on one machine its messages compete with the servers' compute."""
+    return cpu_share(torch.get_num_threads())
 
 
 def planner_dtype(dtype: str) -> str:

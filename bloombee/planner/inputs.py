@@ -235,11 +235,14 @@ class LinkMatrix(_Strict):
 
 
 class CpuShare(_Strict):
-    """A node that computes on a CPU: which machine it runs on and how many of its cores its compute uses."""
+    """A process on a CPU: which machine it runs on, how many of its cores its compute uses, and the CPU one
+    message costs it."""
 
     host: str = Field(min_length=1, description="machine fingerprint: nodes with the same host share its cores")
     threads: int = Field(ge=1, description="compute threads of this node")
     cores: int = Field(ge=1, description="cores of the machine")
+    message_ms: float = Field(0.0, ge=0, description="CPU time this process (with its p2p daemon) spends on one "
+                                                       "message it sends or receives, in turns with its compute")
 
 
 class NodeSpec(_Strict):
@@ -258,6 +261,7 @@ class ClientSpec(_Strict):
     name: Literal["client"] = CLIENT
     link: LinkSpec
     compression: CompressionSpec | None = None
+    cpu: CpuShare | None = Field(None, description="the client's machine, when servers may share it")
 
 
 # --------------------------------------------------------------------------------------- the file

@@ -11,9 +11,11 @@ simulated makespan of identical micro-batches through 2N' + 1 serial resources i
 sum(all times) + (M - 1) * max(time), which is below eq. 4's (M + N' - 1) * max when compute and
 transfer are unbalanced and above it when every stage is close to the bottleneck in both. Nodes that
 compute on the CPU of one machine share its cores while their micro-batches overlap (processor
-sharing), which the simulation models when given the nodes' CPU shares and eq. 4 does not; netbench
-shows the simulation is the one that matches measurement, so the client's `micro_batches="auto"`
-decides with it.
+sharing), which the simulation models when given the nodes' CPU shares and eq. 4 does not. There,
+each message also costs CPU at both ends of its hop (``CpuShare.message_ms``: kinds "send" and
+"receive"), taken in turns with the same process's compute (one interpreter) and shared with the
+host's other processes. netbench shows the simulation is the one that matches measurement, so the
+client's `micro_batches="auto"` decides with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .evaluate import Evaluation
-from .inputs import CpuShare, PlanInputs
+from .inputs import CLIENT, CpuShare, PlanInputs
 
 
 @dataclass
@@ -43,8 +45,8 @@ def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None)
     """
     if not evaluation.feasible:
         raise ValueError(f"cannot schedule an infeasible plan: {evaluation.reason}")
-    tasks = _tasks(evaluation)
     cpus = cpus or {}
+    tasks = _tasks(evaluation, cpus)
     done = [[None] * len(path) for path in tasks]  # end time of task k of micro-batch mb
     started = [[False] * len(path) for path in tasks]
     next_on: dict[str, int] = {}  # resource -> micro-batch whose turn it is
@@ -70,16 +72,30 @@ def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None)
 
 
 def cpu_shares(inputs: PlanInputs) -> dict[str, CpuShare]:
-    """Node name -> CPU share of the nodes that compute on a CPU (what `simulate` shares cores by)."""
-    return {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
+    """Node name -> CPU share of the nodes that compute on a CPU, and the client's when it declares one (what
+    `simulate` shares cores by)."""
+    shares = {node.name: node.cpu for node in inputs.nodes if node.cpu is not None}
+    if inputs.client.cpu is not None:
+        shares[CLIENT] = inputs.client.cpu
+    return shares
 
 
-def _tasks(evaluation: Evaluation) -> list[list[tuple[str, str, float]]]:
-    """Per micro-batch, its (resource, kind, seconds) in order: client send, then compute and send per stage."""
-    path = [(f"client -> {evaluation.client_hop.dst}", "transfer", evaluation.client_hop.time_s)]
-    for stage in evaluation.active_stages:
-        path += [(f"{stage.node} compute", "compute", stage.t_comp_s), (f"{stage.node} -> {stage.hop.dst}", "transfer", stage.t_comm_s)]
+def _tasks(evaluation: Evaluation, cpus: Mapping[str, CpuShare]) -> list[list[tuple[str, str, float]]]:
+    """Per micro-batch, its (resource, kind, seconds) in order: client send, then compute and send per stage.
+    Each end of a hop that has a CPU share charging messages handles the message on that CPU (kinds "send" and
+    "receive")."""
+    hops = [(CLIENT, evaluation.client_hop)] + [(stage.node, stage.hop) for stage in evaluation.active_stages]
+    path = []
+    for index, (src, hop) in enumerate(hops):
+        if index:
+            path.append((f"{src} compute", "compute", evaluation.active_stages[index - 1].t_comp_s))
+        path += [*_message(src, "send", cpus), (f"{src} -> {hop.dst}", "transfer", hop.time_s), *_message(hop.dst, "receive", cpus)]
     return [list(path) for _ in range(evaluation.micro_batches)]
+
+
+def _message(node: str, kind: str, cpus: Mapping[str, CpuShare]) -> list[tuple[str, str, float]]:
+    share = cpus.get(node)
+    return [] if share is None or share.message_ms == 0 else [(f"{node} {kind}", kind, share.message_ms * 1e-3)]
 
 
 def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
@@ -93,30 +109,32 @@ def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
 
 
 def _rates(tasks, active, cpus: Mapping[str, CpuShare]) -> dict[tuple[int, int], float]:
-    """Progress per second of each running task: compute on a shared host gets its share of the cores."""
-    demand: dict[str, int] = {}
-    for mb, k in active:
-        node = _compute_node(tasks[mb][k])
-        if node in cpus:
-            demand[cpus[node].host] = demand.get(cpus[node].host, 0) + cpus[node].threads
+    """Progress per second of each running task. CPU work (compute, message handling) of one process shares its
+    threads (one interpreter: message handling and compute take turns), and the processes of one host share its
+    cores; any other task runs at full speed."""
+    users = {key: _cpu_user(tasks[key[0]][key[1]], cpus) for key in active}
+    per_process: dict[str, int] = {}
+    for node in users.values():
+        if node is not None:
+            per_process[node] = per_process.get(node, 0) + 1
+    per_host: dict[str, int] = {}
+    for node in per_process:
+        per_host[cpus[node].host] = per_host.get(cpus[node].host, 0) + cpus[node].threads
     rates = {}
-    for mb, k in active:
-        node = _compute_node(tasks[mb][k])
-        share = cpus.get(node)
-        rates[(mb, k)] = 1.0 if share is None else min(1.0, share.cores / demand[share.host])
+    for key, node in users.items():
+        if node is None:
+            rates[key] = 1.0
+            continue
+        share = cpus[node]
+        rates[key] = min(1.0, share.cores / per_host[share.host]) / per_process[node]
     return rates
 
 
-def _compute_node(task: tuple[str, str, float]) -> str | None:
+def _cpu_user(task: tuple[str, str, float], cpus: Mapping[str, CpuShare]) -> str | None:
+    """The node whose CPU a task runs on, or None."""
     row, kind, _ = task
-    return row.removesuffix(" compute") if kind == "compute" else None
-
-
-def row_order(evaluation: Evaluation) -> list[str]:
-    rows = [f"client -> {evaluation.client_hop.dst}"]
-    for stage in evaluation.active_stages:
-        rows += [f"{stage.node} compute", f"{stage.node} -> {stage.hop.dst}"]
-    return rows
+    node = row.removesuffix(f" {kind}")
+    return node if kind in ("compute", "send", "receive") and node in cpus else None
 
 
 def plot_schedule(evaluation: Evaluation, path: str, title: str = "", cpus: Mapping[str, CpuShare] | None = None) -> float:
@@ -130,7 +148,7 @@ def plot_schedule(evaluation: Evaluation, path: str, title: str = "", cpus: Mapp
     except ImportError as exc:  # pragma: no cover - matplotlib is a dev extra
         raise RuntimeError("--plot needs matplotlib (pip install 'bloombee[dev]')") from exc
     intervals, makespan = simulate(evaluation, cpus)
-    rows = row_order(evaluation)
+    rows = [row for row, _, _ in _tasks(evaluation, cpus or {})[0]]
     index = {row: i for i, row in enumerate(rows)}
     cmap = plt.get_cmap("tab10" if evaluation.micro_batches <= 10 else "viridis")
     fig, ax = plt.subplots(figsize=(11, 0.5 * len(rows) + 2.2))
@@ -144,7 +162,7 @@ def plot_schedule(evaluation: Evaluation, path: str, title: str = "", cpus: Mapp
             color=color,
             edgecolor="black",
             linewidth=0.4,
-            hatch="//" if item.kind == "transfer" else None,
+            hatch={"transfer": "//", "send": "..", "receive": ".."}.get(item.kind),
         )
         width_ms = (item.end_s - item.start_s) * 1e3
         if width_ms > makespan * 1e3 * 0.03:
@@ -159,11 +177,12 @@ def plot_schedule(evaluation: Evaluation, path: str, title: str = "", cpus: Mapp
         handles=[
             Patch(facecolor="white", edgecolor="black", label="compute"),
             Patch(facecolor="white", edgecolor="black", hatch="//", label="transfer"),
+            Patch(facecolor="white", edgecolor="black", hatch="..", label="message handling (CPU)"),
             plt.Line2D([], [], color="black", linestyle="--", label=f"simulated step {makespan * 1e3:.1f} ms"),
             plt.Line2D([], [], color="red", linestyle=":", label=f"planner's estimate {evaluation.step_time_s * 1e3:.1f} ms"),
         ],
         loc="lower center",
-        ncol=4,
+        ncol=5,
         fontsize=8,
         frameon=False,
     )

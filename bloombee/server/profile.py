@@ -7,10 +7,8 @@ of a step over that cache), once with the cache on the server's device and once 
 memory computed by the CPU.
 """
 
-import hashlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import torch
 
 from bloombee import codec
+from bloombee.host import cpu_share
 from bloombee.planner import NodeSpec
 from bloombee.server.backend import BlockBackend
 from bloombee.server.measure_cache import CACHE_DIR, cached
@@ -73,17 +72,6 @@ def _cost_columns(backend: BlockBackend, seq_len: int) -> tuple[list[float], lis
     return mlp, attention
 
 
-def host_fingerprint() -> str:
-    """The same for every process on this machine (across network namespaces), different between machines."""
-    parts = []
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            parts.append(Path(path).read_text().strip())
-        except OSError:
-            parts.append(socket.gethostname())
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
 def _memory_gib(device: torch.device) -> tuple[float, float]:
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     if device.type == "cuda":
@@ -110,7 +98,7 @@ def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: 
     node = {**cached(cache_path, f"{key}|v{PROFILE_VERSION}", measure), "name": name,
             "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0}}
     if device.type == "cpu":
-        node["cpu"] = {"host": host_fingerprint(), "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
+        node["cpu"] = cpu_share(torch.get_num_threads())
     NodeSpec.model_validate(node)
     return node
 
