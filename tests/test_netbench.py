@@ -183,12 +183,14 @@ def test_configurations():
         knobs.parse_configurations("baseline,baseline")
 
 
-def test_server_groups_run_static_configurations_side_by_side():
-    configs = knobs.parse_configurations("baseline,compression,auto")
+def test_server_groups_run_every_configuration_side_by_side():
     envs = presets.parse_environments("E1,E5")
-    groups = cli.server_groups(configs, envs)
-    assert [([c.name for c in cs], [e.name for e in es]) for cs, es in groups] == [
-        (["baseline", "compression"], ["E1", "E5"]), (["auto"], ["E1"]), (["auto"], ["E5"])]
+    static = knobs.parse_configurations("baseline,compression")
+    assert [([c.name for c in cs], [e.name for e in es]) for cs, es in cli.server_groups(static, envs)] == [
+        (["baseline", "compression"], ["E1", "E5"])]
+    mixed = knobs.parse_configurations("baseline,compression,auto")
+    assert [([c.name for c in cs], [e.name for e in es]) for cs, es in cli.server_groups(mixed, envs)] == [
+        (["baseline", "compression", "auto"], ["E1"]), (["baseline", "compression", "auto"], ["E5"])]
 
 
 def test_plans(tmp_path):

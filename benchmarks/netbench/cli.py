@@ -228,6 +228,7 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
     only on the client share it), run every environment x repeat x configuration, write each (configuration,
     environment)'s record as soon as it is complete, stop the servers."""
     server_nodes = nodes[1:]
+    advertise_env = any(config.bandwidth_sensitive for config in group_configs)  # then the group has one environment
     sets: dict[tuple[str, ...], list[str]] = {}
     names: dict[str, list[str]] = {}
     for config in group_configs:
@@ -236,7 +237,7 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
             sets[flags] = [f"{node}.g{index}c{len(sets)}" for node in server_nodes]
             for name, node, blocks in zip(sets[flags], server_nodes, ranges):
                 advertised = (group_envs[0].advertised_mbps(node, nodes, UNSHAPED_ADVERTISED_MBPS)
-                              if config.bandwidth_sensitive else FIXED_ADVERTISED_MBPS)
+                              if advertise_env else FIXED_ADVERTISED_MBPS)
                 swarm.start_server(name, node, blocks, list(flags), args.dtype, advertised, server_threads)
                 # one at a time: a server measures its throughput and planner profile as it starts (once per
                 # range; then cached), and servers measuring at once on this machine would slow each other
@@ -267,15 +268,13 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
 
 
 def server_groups(configs: list[knobs.Configuration], envs: list[presets.Environment]):
-    """Server sets started together: every configuration whose servers do not depend on the link runs
-    side by side (interleaved per repeat, so that a busy moment of the machine hits them alike);
-    bandwidth-sensitive ones get their own servers per environment (they advertise its speed)."""
-    static = [config for config in configs if not config.bandwidth_sensitive]
-    groups = [(static, envs)] if static else []
-    for config in configs:
-        if config.bandwidth_sensitive:
-            groups.extend(([config], [env]) for env in envs)
-    return groups
+    """Server sets started together; their configurations run side by side (interleaved per repeat, so that a busy
+    moment of the machine hits them alike, with the same servers alive). Without a bandwidth-sensitive configuration
+    one group keeps its servers across every environment; with one, every environment gets a group of all the
+    configurations whose servers advertise its speed."""
+    if not any(config.bandwidth_sensitive for config in configs):
+        return [(configs, envs)]
+    return [(configs, [env]) for env in envs]
 
 
 def log_summary(s: dict) -> None:
