@@ -61,3 +61,19 @@ def test_receivers_decode_speeds_reach_the_senders_policies(swarm):
     # and the last server's reply policy adopted the client's own decode speed, carried by the step header
     reply = model.remote.server_info(second.peer_id)["links"][model.remote.p2p.peer_id.to_base58()]["estimates"]
     assert reply["observations"]["decode"] >= 1
+
+
+
+def test_a_client_that_turns_compression_off_gets_raw_hops_from_servers_that_compress(swarm):
+    model = client(swarm, compression="off", micro_batches=1)  # the servers run --compression on
+    hidden = model.head.embed(torch.tensor([[3, 14, 15, 92, 65, 35], [2, 71, 82, 81, 82, 84]]))
+    with model.remote.inference_session(max_length=16, batch_size=2) as session:
+        for step in (hidden, hidden[:, -1:]):
+            session.step(step)
+            stats = session.last_step
+            assert stats.client_layout == "raw"
+            assert [report.layout for report in stats.reports] == ["raw", "raw"]  # the push and the reply
+    forced = client(swarm, compression="on", micro_batches=1)
+    with forced.remote.inference_session(max_length=16, batch_size=2) as session:
+        session.step(hidden)
+        assert all(report.layout != "raw" for report in session.last_step.reports)  # the same servers, sessions apart

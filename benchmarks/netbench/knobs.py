@@ -33,8 +33,8 @@ class Optimisation:
 
 
 OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
-    Optimisation("compression", "lossless byte-split zstd codec on every hop",
-                 ("--compression", "on"), ("--compression", "off"), {"compression": "on"}, {"compression": "off"}),
+    Optimisation("compression", "lossless byte-split zstd codec on every hop (the client's session mode reaches every server)",
+                 (), (), {"compression": "on"}, {"compression": "off"}),
     Optimisation("micro_batching", "steps split into micro-batches that pipeline along the chain",
                  (), (), {"micro_batches": 4}, {"micro_batches": 1}, value_setting="micro_batches"),
 )}

@@ -152,7 +152,8 @@ class InferenceSession:
             spans = await loop.run_in_executor(None, self.manager.make_route, start, end)
             streams = [SpanStream(span, self._events) for span in spans]
             results = await asyncio.gather(
-                *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.request_timeout)
+                *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.request_timeout,
+                              self.settings.compression)
                   for stream in streams), return_exceptions=True)
             failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
             if not failed:

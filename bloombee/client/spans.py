@@ -38,10 +38,13 @@ class SpanStream:
         self._reader: asyncio.Task | None = None
 
     async def open(self, p2p: P2P, max_length: int, batch_size: int, codecs: tuple[str, ...], link_bandwidth: float,
-                   timeout: float) -> None:
-        """Open the session; raises RequestRejected when the server refuses it, ConnectionError when unreachable."""
+                   timeout: float, compression: str = "auto") -> None:
+        """Open the session; raises RequestRejected when the server refuses it, ConnectionError when unreachable.
+        A `compression` of "on" or "off" asks the server to send this session's outputs so, where it announces that."""
+        asked = compression if compression != "auto" and "session_compression" in self.span.record.features else None
         request = OpenSession(session_id=self.session_id, start_block=self.span.start, end_block=self.span.end,
-                              max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth)
+                              max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth,
+                              compression=asked)
         await self._outbox.put(pack(Message(kind=MessageKind.OPEN, open=request)))
         stub = block_service_stub(p2p, self.span.peer_id)
         responses = await asyncio.wait_for(stub.rpc_inference(queue_stream(self._outbox)), timeout)

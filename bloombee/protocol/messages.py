@@ -9,7 +9,7 @@ the chain, so that a server can push its output straight to the next server.
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -19,7 +19,7 @@ from bloombee import codec
 from bloombee.codec import CompressionPolicy
 
 PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history",
-                     "micro_batches")
+                     "micro_batches", "session_compression")
 # what every client of this version uses; a server that does not announce all of them is not routed to
 REQUIRED_FEATURES = ("push", "explicit_positions", "token_mask", "history")
 
@@ -82,6 +82,8 @@ class OpenSession(BaseModel):
     batch_size: int = Field(gt=0)
     codecs: tuple[str, ...] = ()
     link_bandwidth: float | None = Field(None, gt=0, description="the client's link, bytes/s")
+    compression: Literal["on", "off"] | None = Field(
+        None, description="the client's codec mode for what this server sends in the session, over its --compression")
 
 
 class StepHeader(BaseModel):

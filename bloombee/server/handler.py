@@ -138,6 +138,7 @@ class BlockServicer:
                 reply_codecs=request.codecs,
                 client_peer=client_peer,
                 client_bandwidth=request.link_bandwidth,
+                compression=request.compression,
             )
             self.registry.add(session)
         except BaseException:
@@ -165,23 +166,25 @@ class BlockServicer:
         return pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=message.step_id),
                     {"hidden": session.output_history[:, :end]}, self.reply_policy(session))
 
-    def push_policy(self, hop: Hop) -> CompressionPolicy:
+    def push_policy(self, session: Session, hop: Hop) -> CompressionPolicy:
         bandwidth = min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
-        return self._policy(hop.peer_id, bandwidth, hop.codecs, hop.decode_speed)
+        return self._policy(hop.peer_id, bandwidth, hop.codecs, session.compression, hop.decode_speed)
 
     def reply_policy(self, session: Session, client_decode_speed: float | None = None) -> CompressionPolicy:
         bandwidth = min(self.link_bandwidth, session.client_bandwidth or self.link_bandwidth)
-        return self._policy(session.client_peer, bandwidth, session.reply_codecs, client_decode_speed)
+        return self._policy(session.client_peer, bandwidth, session.reply_codecs, session.compression, client_decode_speed)
 
-    def _policy(self, peer_id: str, bandwidth: float, accepted: tuple[str, ...],
+    def _policy(self, peer_id: str, bandwidth: float, accepted: tuple[str, ...], mode: str | None = None,
                 decode_speed: float | None = None) -> CompressionPolicy:
-        """One compression policy per link (peer), refined by what this server observes on it and by the
-        receiver's decode speed when the step carries it."""
-        if peer_id not in self._policies:
-            self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth, accepted=accepted or ("raw",))
+        """One compression policy per link (peer) and mode (the session's, else this server's), refined by what this
+        server observes on it and by the receiver's decode speed when the step carries it."""
+        mode = mode or self.settings.compression
+        key = peer_id if mode == self.settings.compression else f"{peer_id} ({mode})"
+        if key not in self._policies:
+            self._policies[key] = CompressionPolicy(mode, link_bandwidth=bandwidth, accepted=accepted or ("raw",))
         if decode_speed is not None:
-            self._policies[peer_id].adopt_decompress_speed(decode_speed)
-        return self._policies[peer_id]
+            self._policies[key].adopt_decompress_speed(decode_speed)
+        return self._policies[key]
 
     def link_reports(self) -> dict[str, dict]:
         """Per peer this server sends to: its compression policy's last decision, estimates and counts."""
@@ -211,7 +214,7 @@ class BlockServicer:
             notify(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
                            error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
 
-        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.push_policy(hop),
+        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.push_policy(session, hop),
                                            self.settings.push_buffer_bytes, self.push_stats)
         return session.push_channel
 

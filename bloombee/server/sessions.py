@@ -62,6 +62,7 @@ class Session:
     reply_codecs: tuple[str, ...] = ()  # codec layouts the client accepts
     client_peer: str = ""
     client_bandwidth: float | None = None  # the client's link, bytes/s, as it told us
+    compression: str | None = None  # the client's codec mode for this session ("on"/"off"), else the server's
     push_channel: Any = None  # the PushChannel to the next server, opened on the first push
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_DEPTH))  # bounded: back-pressure
     last_active: float = field(default_factory=time.monotonic)
