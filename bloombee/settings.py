@@ -24,7 +24,14 @@ class ServerSettings(BaseModel):
     announce_period: float = Field(5.0, gt=0, description="seconds between DHT announcements")
     rebalance_period: float = Field(60.0, gt=0, description="seconds between checks whether other blocks need us more")
     balance_quality: float = Field(1.25, ge=1.0, description="move to other blocks only if swarm throughput grows by this factor")
-    compression: Literal["auto", "on", "off"] = "auto"
+    compression: Literal["auto", "on", "off"] = Field("auto", description="compress activations on each hop: auto (when "
+                                                      "it saves time on that link), on or off")
+    num_threads: int = Field(0, ge=0, description="torch threads for compute; 0 = one per core (bloombee's local swarms "
+                             "and tests pass 1 per server so that several servers on one machine do not oversubscribe it)")
+    connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")
+    announce_timeout: float = Field(5.0, gt=0, description="seconds one DHT announcement may take")
+    push_timeout: float = Field(10.0, gt=0, description="seconds a step pushed to the next server may wait for its "
+                                "acknowledgement (or for room in the push buffer) before the push counts as failed")
 
 
 class ClientSettings(BaseModel):
@@ -32,14 +39,21 @@ class ClientSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    request_timeout: float = Field(60.0, gt=0, description="seconds to wait for one step through the whole chain")
+    request_timeout: float = Field(60.0, gt=0, description="longest wait for any one reply (info, forward, a step)")
+    connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")
+    open_timeout: float = Field(10.0, gt=0, description="seconds to open a session on one server")
+    step_timeout_min: float = Field(4.0, gt=0, description="a step (or a replay, or a history fetch) fails after "
+                                    "max(this, step_timeout_factor x its expected time) seconds")
+    step_timeout_factor: float = Field(3.0, ge=1.0, description="safety factor over a step's expected time (the "
+                                       "session's recent steps of that size, else the servers' announced figures)")
     update_period: float = Field(15.0, gt=0, description="seconds between refreshes of the swarm view")
     ban_base_seconds: float = Field(5.0, gt=0, description="first ban of a failing server; doubles on each new failure")
-    ban_max_seconds: float = Field(300.0, gt=0)
+    ban_max_seconds: float = Field(300.0, gt=0, description="longest ban of a failing server, seconds")
     max_retries: int = Field(5, ge=0, description="times one step is re-routed after server failures")
     hop_penalty_seconds: float = Field(0.02, ge=0, description="extra cost per hop, to prefer shorter chains")
     link_bandwidth_mbps: float = Field(100.0, gt=0, description="this machine's link speed, Mbit/s")
-    compression: Literal["auto", "on", "off"] = "auto"
+    compression: Literal["auto", "on", "off"] = Field("auto", description="compress activations on each hop: auto (when "
+                                                      "it saves time on that link), on or off")
     micro_batches: Literal["auto"] | int = Field("auto", description="micro-batches per step: auto (the planner's "
                                                  "model of the chain decides) or a count; 1 = off")
 
@@ -49,6 +63,22 @@ class ClientSettings(BaseModel):
         if value != "auto" and value < 1:
             raise ValueError("micro_batches must be auto or a count of at least 1")
         return value
+
+
+class ApiSettings(BaseModel):
+    """Limits of one `bloombee-api` process: how it shares the swarm between HTTP requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
+    max_sessions: int = Field(4, ge=1, description="inference sessions open in the swarm at once")
+    max_queue: int = Field(32, ge=1, description="requests waiting for a session before new ones get HTTP 429")
+    max_batch_rows: int = Field(8, ge=1, description="rows (prompts x choices) one batched session carries")
+    batch_window_ms: float = Field(20.0, ge=0, description="milliseconds a request waits for others to share its session")
+    max_tokens: int = Field(2048, ge=1, description="most new tokens one request may ask for")
+    default_max_tokens: int = Field(256, ge=1, description="new tokens of a request that sets no max_tokens")
+    status_refresh_seconds: float = Field(5.0, gt=0, description="how often /status reloads itself, seconds")
 
 
 def load_settings(cls: type[SettingsT], overrides: dict[str, Any] | None = None) -> SettingsT:

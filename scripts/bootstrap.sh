@@ -17,3 +17,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     "$venv/bin/pip" install -q -e "$root[dev]"
     echo "$wanted" > "$stamp"
 fi
+# Headless Chromium for the browser test of /status (tests/test_status_page.py), from Debian's packages; installed
+# here, outside test.sh's network namespace. Where it cannot be had, that test skips and says why.
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    if ! (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null 2>&1; then
+        echo "bootstrap: could not install chromium; tests/test_status_page.py will skip its browser test" >&2
+    fi
+fi

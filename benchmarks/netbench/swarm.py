@@ -161,9 +161,9 @@ class NetSwarm:
                      link_mbps: float, threads: int = 0) -> Process:
         argv = ["-m", "bloombee.cli.server", "--model", self.model, "--blocks", f"{blocks[0]}:{blocks[1]}",
                 "--initial-peers", *self.initial_peers, "--host-maddrs", f"/ip4/{self.topology.ips[node]}/tcp/0",
-                "--no-nat-traversal", "--public-name", name, "--dtype", dtype, "--link-bandwidth-mbps", f"{link_mbps:g}", *args]
-        env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-        process = self._spawn(name, node, argv, env=env)
+                "--no-nat-traversal", "--public-name", name, "--dtype", dtype, "--link-bandwidth-mbps", f"{link_mbps:g}",
+                "--num-threads", str(threads), *args]
+        process = self._spawn(name, node, argv)
         self.servers.append(process)
         return process
 

@@ -1,17 +1,23 @@
-"""`bloombee-client`: generate text through the swarm, or list who serves a model."""
+"""`bloombee-client`: generate text through the swarm, see who serves a model, or run a local demo swarm."""
 
 import argparse
-import logging
 import sys
 import time
 
-import torch
-from transformers import AutoTokenizer
-
-from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
-from bloombee.client import AutoDistributedModel
-from bloombee.dht.records import fetch_records
-from bloombee.loading import resolve_model
+from bloombee.cli.common import (
+    ArgumentParser,
+    UsageError,
+    add_common_flags,
+    add_peer_flags,
+    add_settings_flags,
+    check_initial_peers,
+    log_level,
+    parse_args,
+    positive_int,
+    run_main,
+    settings_overrides,
+    setup_logging,
+)
 from bloombee.settings import ClientSettings
 
 
@@ -21,7 +27,7 @@ class PrintStreamer:
     def __init__(self, tokenizer, prompt_length: int):
         self.tokenizer, self.prompt_left, self.ids, self.printed = tokenizer, prompt_length, [], 0
 
-    def put(self, value: torch.Tensor) -> None:
+    def put(self, value) -> None:
         values = value.flatten().tolist()
         if self.prompt_left:  # the first call carries the prompt
             self.prompt_left = 0
@@ -38,28 +44,62 @@ class PrintStreamer:
         print(flush=True)
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(path):
+    """The model folder's tokenizer, or None when the folder has no tokenizer files."""
+    from transformers import AutoTokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(resolve_model(model))
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None
 
 
 def require_peers(args: argparse.Namespace) -> None:
     if not args.initial_peers:
-        raise SystemExit("bloombee-client: pass --initial-peers of a running swarm (printed by bloombee-dht)")
+        raise UsageError("pass --initial-peers of a running swarm (bloombee-dht prints them)")
+    check_initial_peers(args.initial_peers)
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer):
+    import torch
+
+    if args.input_ids:
+        try:
+            return torch.tensor([[int(token) for token in args.input_ids.split(",")]])
+        except ValueError:
+            raise UsageError(f"--input-ids takes comma-separated token ids, e.g. 1,2,3; got {args.input_ids!r}") from None
+    if tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer files; pass --input-ids 1,2,3 instead of --prompt")
+    return tokenizer(args.prompt, return_tensors="pt").input_ids
+
+
+def session_length(args: argparse.Namespace, config, prompt_length: int) -> int:
+    """The session's max_length: --max-length or prompt + new tokens, checked against the model's context length."""
+    needed = prompt_length + args.max_new_tokens
+    context = getattr(config, "max_position_embeddings", None)
+    if context and needed > context:
+        raise UsageError(f"the prompt ({prompt_length} tokens) plus --max-new-tokens {args.max_new_tokens} is {needed} "
+                         f"tokens, beyond {args.model}'s context length of {context}; shorten the prompt or lower "
+                         "--max-new-tokens")
+    if args.max_length is not None and args.max_length < needed:
+        raise UsageError(f"--max-length {args.max_length} is shorter than the prompt ({prompt_length} tokens) plus "
+                         f"--max-new-tokens {args.max_new_tokens}; raise it to at least {needed}")
+    return args.max_length or needed
 
 
 def generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from bloombee.client import AutoDistributedModel
+    from bloombee.loading import load_model_config, resolve_model
+
     require_peers(args)
-    tokenizer = load_tokenizer(args.model)
-    if args.input_ids:
-        input_ids = torch.tensor([[int(token) for token in args.input_ids.split(",")]])
-    elif tokenizer is None:
-        raise SystemExit(f"bloombee-client: {args.model} has no tokenizer files; pass --input-ids 1,2,3 instead of --prompt")
-    else:
-        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=args.dtype,
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)
+    input_ids = prompt_ids(args, tokenizer)
+    max_length = session_length(args, load_model_config(path), input_ids.shape[1])
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=dtype,
                                                  **settings_overrides(args, ClientSettings))
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
     if args.seed is not None:
@@ -68,7 +108,7 @@ def generate(args: argparse.Namespace) -> None:
     if args.stream and tokenizer is not None:
         print(args.prompt if args.prompt else "", end="", flush=True)
     began = time.perf_counter()
-    with model.inference_session(max_length=input_ids.shape[1] + args.max_new_tokens) as session:
+    with model.inference_session(max_length=max_length) as session:
         output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer,
                                 pad_token_id=getattr(tokenizer, "pad_token_id", None), **sampling)
         chain = " -> ".join(f"{span.record.public_name or span.peer_id[-8:]}[{span.start}:{span.end}]" for span in session.spans)
@@ -79,22 +119,43 @@ def generate(args: argparse.Namespace) -> None:
     print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, servers: {chain}]", file=sys.stderr)
 
 
-def info(args: argparse.Namespace) -> None:
+def read_status(args: argparse.Namespace):
+    """The swarm's status for --model, read from the DHT."""
+    from bloombee.client.swarm_status import model_status
     from bloombee.dht.peers import start_dht
     from bloombee.loading import dht_prefix, load_model_config
 
     require_peers(args)
-    config = load_model_config(args.model)
-    prefix = dht_prefix(args.model)
+    num_blocks = load_model_config(args.model).num_hidden_layers
     dht = start_dht(args.initial_peers, client_mode=True)
-    servers = {}
-    for records in fetch_records(dht, prefix, config.num_hidden_layers):
-        servers.update(records)
-    print(f"{prefix}: {config.num_hidden_layers} blocks, {len(servers)} servers")
-    for peer_id, record in sorted(servers.items(), key=lambda item: item[1].start_block):
-        print(f"  {record.public_name or '-':12} {peer_id}  blocks {record.start_block}:{record.end_block}  {record.state.value:8}"
-              f"  {record.throughput:8.1f} block-steps/s  {record.dtype} on {record.device}  cache {record.cache_tokens_left} tokens")
-    dht.shutdown()
+    try:
+        return model_status(dht, args.model, dht_prefix(args.model), num_blocks)
+    finally:
+        dht.shutdown()
+
+
+def info(args: argparse.Namespace) -> int:
+    """Who serves what; exit status 1 when some block has no server."""
+    status = read_status(args)
+    print(f"{status.prefix}: {status.num_blocks} blocks, {len(status.servers)} servers")
+    for server in status.servers:
+        print(f"  {server.public_name or '-':12} {server.peer_id}  blocks {server.start_block}:{server.end_block}  "
+              f"{server.state:8}  {server.throughput:8.1f} block-steps/s  {server.dtype} on {server.device}  "
+              f"cache {server.cache_tokens_left} tokens")
+    if status.uncovered:
+        print(f"  coverage gap: blocks {status.uncovered_text} are served by nobody; start a server for them "
+              f"(bloombee-server --model {args.model} --blocks {status.uncovered[0]}:{status.uncovered[-1] + 1} ...)")
+        return 1
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """Each server of the model, the blocks nobody serves, whether a full chain exists; exit 1 without one."""
+    from bloombee.client.swarm_status import status_lines
+
+    swarm = read_status(args)
+    print(swarm.model_dump_json(indent=2) if args.json else "\n".join(status_lines(swarm)))
+    return 0 if swarm.full_chain else 1
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -103,6 +164,9 @@ def demo(args: argparse.Namespace) -> None:
     from bloombee.local_swarm import LocalSwarm
 
     num_blocks = load_model_config(args.model).num_hidden_layers
+    if args.servers > num_blocks:
+        raise UsageError(f"--servers {args.servers} is more than the {num_blocks} blocks of {args.model}; each server "
+                         "needs at least one block")
     bounds = [round(index * num_blocks / args.servers) for index in range(args.servers + 1)]
     with LocalSwarm(args.model, num_blocks, dht_prefix(args.model)) as swarm:
         print(f"Bootstrap peer: {swarm.initial_peers[0]}  (logs in {swarm.log_dir})", flush=True)
@@ -119,20 +183,27 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print tokens as they arrive")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--max-length", type=positive_int, default=None,
+                        help="tokens the session reserves on each server, prompt included (default: prompt + "
+                             "--max-new-tokens); a server refuses a session longer than its own --max-length")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample only from the most likely tokens whose probabilities add up to this (default: "
+                             "%(default)s = all)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens; 0 = all (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="print tokens as they arrive (default: on)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="dtype of the client's embeddings and LM head (default: %(default)s, the checkpoint's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bloombee-client", description=__doc__)
+    parser = ArgumentParser(prog="bloombee-client", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text through the swarm, streamed to the terminal")
-    gen.add_argument("--model", required=True, help="model folder, hub id or alias")
+    gen.add_argument("--model", required=True, help="model folder, hub id or alias, e.g. bloombee-tiny (required)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--input-ids", help="comma-separated token ids (for models without a tokenizer)")
@@ -140,27 +211,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_peer_flags(gen)
     add_settings_flags(gen, ClientSettings)
     gen.set_defaults(run=generate)
-    show = commands.add_parser("info", help="list the servers of a model")
-    show.add_argument("--model", required=True)
+    show = commands.add_parser("info", help="list the servers of a model and flag blocks nobody serves")
+    show.add_argument("--model", required=True, help="model folder, hub id or alias (required)")
     add_peer_flags(show)
     show.set_defaults(run=info)
+    look = commands.add_parser("status", help="the swarm's health for a model: servers, gaps, whether a full chain exists")
+    look.add_argument("--model", default="bloombee-tiny", help="model folder, hub id or alias (default: %(default)s)")
+    look.add_argument("--json", action="store_true", help="print the status as JSON (default: a table)")
+    add_peer_flags(look)
+    look.set_defaults(run=status)
     local = commands.add_parser("demo", help="start a local swarm on 127.0.0.1, generate through it, shut it down")
-    local.add_argument("--model", default="bloombee-tiny")
-    local.add_argument("--servers", type=int, default=2, help="server processes, each with a part of the blocks")
-    local.add_argument("--prompt", default="def fibonacci(n):")
+    local.add_argument("--model", default="bloombee-tiny", help="model folder, hub id or alias (default: %(default)s)")
+    local.add_argument("--servers", type=positive_int, default=2,
+                       help="server processes, each with a part of the blocks (default: %(default)s)")
+    local.add_argument("--prompt", default="def fibonacci(n):", help="text to continue (default: %(default)r)")
     add_generation_flags(local)
-    local.add_argument("-v", "--verbose", action="store_true")
+    local.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
+    add_common_flags(local, default_level="warning")
     add_settings_flags(local, ClientSettings)
     local.set_defaults(run=demo)
+    for command in (gen, show, look):
+        command.set_defaults(log_level="warning")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose, quiet_level=logging.WARNING)
-    if getattr(args, "dtype", "auto") != "auto":
-        args.dtype = getattr(torch, args.dtype)
-    args.run(args)
+    args = parse_args(build_parser(), argv)
+    setup_logging(log_level(args))
+    sys.exit(run_main("bloombee-client", lambda: args.run(args), log_level(args)))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,29 @@
 """`bloombee-codegen`: render every <family>.yaml spec into a <family>/ package (default: the installed
 bloombee/models/specs into bloombee/models)."""
 
-import argparse
 import sys
 from pathlib import Path
 
-from bloombee.models.codegen import MODELS_DIR, SPECS_DIR, TEMPLATES_DIR, drift, render_all, write_all
-from bloombee.models.spec import SpecError
+from bloombee.cli.common import ArgumentParser, add_common_flags, parse_args, setup_logging
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="bloombee-codegen", description=__doc__)
-    parser.add_argument("--specs", type=Path, default=SPECS_DIR,
-                        help=f"folder of <family>.yaml specs (default: {SPECS_DIR})")
-    parser.add_argument("--templates", type=Path, default=TEMPLATES_DIR,
-                        help=f"folder of *.py.j2 templates (default: {TEMPLATES_DIR})")
-    parser.add_argument("--out", type=Path, default=MODELS_DIR,
-                        help=f"folder receiving one package per family (default: {MODELS_DIR})")
+    parser = ArgumentParser(prog="bloombee-codegen", description=__doc__)
+    parser.add_argument("--specs", type=Path, help="folder of <family>.yaml specs (default: the installed "
+                        "bloombee/models/specs)")
+    parser.add_argument("--templates", type=Path, help="folder of *.py.j2 templates (default: the installed "
+                        "bloombee/models/templates)")
+    parser.add_argument("--out", type=Path, help="folder receiving one package per family (default: the installed "
+                        "bloombee/models)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if any generated file differs from a fresh render")
-    args = parser.parse_args(argv)
+    add_common_flags(parser, default_level="warning")
+    args = parse_args(parser, argv)
+    setup_logging(args.log_level)
+    from bloombee.models.codegen import MODELS_DIR, SPECS_DIR, TEMPLATES_DIR, drift, render_all, write_all
+    from bloombee.models.spec import SpecError
+
+    args.specs, args.templates, args.out = args.specs or SPECS_DIR, args.templates or TEMPLATES_DIR, args.out or MODELS_DIR
     try:
         rendered = render_all(args.specs, args.templates)
     except (SpecError, FileNotFoundError) as e:

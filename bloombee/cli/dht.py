@@ -2,17 +2,32 @@
 
 import argparse
 import signal
+import sys
 import threading
 
-from bloombee.cli.common import add_peer_flags, setup_logging
-from bloombee.dht.peers import start_dht, visible_maddrs
+from bloombee.cli.common import (
+    ArgumentParser,
+    add_peer_flags,
+    check_initial_peers,
+    log_level,
+    parse_args,
+    run_main,
+    setup_logging,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bloombee-dht", description=__doc__)
+    parser = ArgumentParser(prog="bloombee-dht", description=__doc__)
     add_peer_flags(parser)
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
+    args = parse_args(parser, argv)
+    setup_logging(log_level(args))
+    sys.exit(run_main("bloombee-dht", lambda: run(args), log_level(args)))
+
+
+def run(args: argparse.Namespace) -> None:
+    from bloombee.dht.peers import start_dht, visible_maddrs
+
+    check_initial_peers(args.initial_peers)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

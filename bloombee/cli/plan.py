@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any, Sequence
 
+from bloombee.cli.common import ArgumentParser, add_common_flags, parse_args, setup_logging
 from bloombee.planner import PlanInfeasibleError, PlanInputError, PlanInputs, baselines, evaluate, plan
 from bloombee.planner.inputs import read_input_file
 from bloombee.planner.model_config import ModelConfigError, load_model_section
@@ -28,24 +29,29 @@ from bloombee.planner.schedule import cpu_shares, plot_schedule, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bloombee-plan",
         description="Plan block ranges, KV offload, batch size and micro-batches for a BloomBee pipeline.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--nodes", "--input", dest="input", help="YAML/JSON planner input file")
     source.add_argument("--initial-peers", nargs="+", help="plan for the live swarm: servers started with --profile")
-    parser.add_argument("--client-uplink-mbps", type=float, default=100.0, help="with --initial-peers: the client's link")
-    parser.add_argument("--client-downlink-mbps", type=float, default=100.0)
-    parser.add_argument("--client-latency-ms", type=float, default=10.0)
-    parser.add_argument("--model", help="model alias, hub id or local folder; replaces the file's model section")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="candidate batch sizes")
-    parser.add_argument("--micro-batches", type=int, nargs="+", metavar="M", help="candidate micro-batch counts")
-    parser.add_argument("--seq-len", type=int, help="context length s the KV cache is sized for")
-    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
-    parser.add_argument("--compression", choices=["auto", "on", "off"])
+    parser.add_argument("--client-uplink-mbps", type=float, default=100.0, help="with --initial-peers: the client's uplink, Mbit/s (default: %(default)s)")
+    parser.add_argument("--client-downlink-mbps", type=float, default=100.0,
+                        help="with --initial-peers: the client's downlink, Mbit/s (default: %(default)s)")
+    parser.add_argument("--client-latency-ms", type=float, default=10.0,
+                        help="with --initial-peers: the client's one-way latency, ms (default: %(default)s)")
+    parser.add_argument("--model", help="model alias, hub id or local folder; replaces the file's model section (default: the file's)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="candidate batch sizes, sequences (default: the file's, else the planner's)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", metavar="M", help="candidate micro-batch counts (default: the file's, else the planner's)")
+    parser.add_argument("--seq-len", type=int, help="context length s the KV cache is sized for, tokens (default: the file's)")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                        help="dtype of weights and activations (default: the file's)")
+    parser.add_argument("--compression", choices=["auto", "on", "off"],
+                        help="compress hops: auto (where it saves time), on or off (default: the file's, else auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw the micro-batch schedule of one step")
+    add_common_flags(parser, default_level="warning")
     return parser
 
 
@@ -105,7 +111,8 @@ def current_layout(inputs: PlanInputs, ranges: list[tuple[str, int, int]], best)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
+    setup_logging(args.log_level)
     ranges = None
     try:
         raw = None

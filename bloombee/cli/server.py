@@ -4,12 +4,22 @@ import argparse
 import asyncio
 import json
 import signal
+import sys
 from pathlib import Path
 
-from bloombee.cli.common import add_peer_flags, add_settings_flags, settings_overrides, setup_logging
-from bloombee.dht.peers import start_dht, visible_maddrs
-from bloombee.planner.placement import node_range, plan_schedule
-from bloombee.server.server import BlockChoice, Server
+from bloombee.cli.common import (
+    ArgumentParser,
+    UsageError,
+    add_peer_flags,
+    add_settings_flags,
+    check_initial_peers,
+    log_level,
+    parse_args,
+    positive_int,
+    run_main,
+    settings_overrides,
+    setup_logging,
+)
 from bloombee.settings import ServerSettings, load_settings
 
 
@@ -17,7 +27,10 @@ def parse_blocks(text: str) -> tuple[int, int]:
     try:
         start, end = (int(part) for part in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--blocks takes START:END, e.g. 0:4; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"takes START:END, e.g. 0:4; got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"{text}: START must be at least 0 and below END (END is exclusive), "
+                                         f"e.g. {min(start, end)}:{max(start, end)}")
     return start, end
 
 
@@ -33,11 +46,12 @@ def check_offload(alpha: float, device: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bloombee-server", description=__doc__)
+    parser = ArgumentParser(prog="bloombee-server", description=__doc__)
     parser.add_argument("--model", required=True, help="model folder, hub id or alias (e.g. bloombee-tiny, llama-30b)")
     blocks = parser.add_mutually_exclusive_group()
-    blocks.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (END exclusive)")
-    blocks.add_argument("--num-blocks", type=int, help="serve this many blocks where the swarm is weakest")
+    blocks.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (END exclusive, e.g. 0:4; default: choose where the swarm is weakest)")
+    blocks.add_argument("--num-blocks", type=positive_int, help="serve this many blocks where the swarm is weakest "
+                        "(default: all of the model's blocks)")
     blocks.add_argument("--plan", help="serve the blocks a `bloombee-plan --json` output gives --node")
     parser.add_argument("--node", help="this server's node name in --plan")
     parser.add_argument("--profile", nargs="?", const="bloombee-profile.yaml", default=None, metavar="PATH",
@@ -46,24 +60,63 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not measure and announce the planner profile (per-block cost table, memory, codec) "
                              "that bloombee-plan and the clients' micro_batches=auto use; measured once, then cached")
     parser.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--public-name", default="", help="a name shown to other peers")
-    parser.add_argument("--link-bandwidth-mbps", type=float, default=100.0, help="this machine's link speed, Mbit/s")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="dtype of the blocks' weights and compute (default: %(default)s, the checkpoint's)")
+    parser.add_argument("--public-name", default="", help="a name shown to other peers (default: none)")
+    parser.add_argument("--link-bandwidth-mbps", type=float, default=100.0, help="this machine's link speed, Mbit/s (default: %(default)s)")
     add_peer_flags(parser)
     add_settings_flags(parser, ServerSettings)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
+    args = parse_args(build_parser(), argv)
+    setup_logging(log_level(args))
+    sys.exit(run_main("bloombee-server", lambda: run(args), log_level(args)))
+
+
+def check_blocks(args: argparse.Namespace) -> None:
+    """--blocks and --num-blocks against the model's block count, before joining the swarm."""
+    from bloombee.loading import load_model_config
+
+    total = load_model_config(args.model).num_hidden_layers
+    if args.blocks and args.blocks[1] > total:
+        raise UsageError(f"--blocks {args.blocks[0]}:{args.blocks[1]} goes past the last block: {args.model} has "
+                         f"{total} blocks, so END is at most {total}")
+    if args.num_blocks and args.num_blocks > total:
+        raise UsageError(f"--num-blocks {args.num_blocks} is more than the {total} blocks {args.model} has; "
+                         f"pass --num-blocks {total} or fewer")
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from bloombee.dht.peers import start_dht
+
+    check_initial_peers(args.initial_peers)
+    check_blocks(args)
     if not args.new_swarm and not args.initial_peers:
         raise SystemExit("bloombee-server: pass --initial-peers of a running swarm, or --new-swarm to start one")
     settings = load_settings(ServerSettings, settings_overrides(args, ServerSettings))
     for sig in (signal.SIGINT, signal.SIGTERM):  # until the server's loop takes over: stop cleanly, DHT included
         signal.signal(sig, stop_starting)
-    dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal)
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal,
+                    connect_timeout=settings.connect_timeout)
+    try:
+        serve(args, settings, dht)
+    finally:
+        dht.shutdown()
+
+
+def serve(args: argparse.Namespace, settings: ServerSettings, dht) -> None:
+    """Load the blocks this server is told (or chooses) to serve and serve them until a signal."""
+    from bloombee.dht.peers import visible_maddrs
+    from bloombee.planner.placement import node_range, plan_schedule
+    from bloombee.server.server import BlockChoice, Server
+
     if args.new_swarm:
         print("Started a new swarm. Join it with:", flush=True)
         print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
@@ -78,13 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         start, end = args.blocks or (None, None)
         planned = None
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
-    try:
-        server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
-                        public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
-                        profile=not args.no_profile, profile_path=args.profile, planned=planned)
-        asyncio.run(server.run())
-    finally:
-        dht.shutdown()
+    server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
+                    public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
+                    profile=not args.no_profile, profile_path=args.profile, planned=planned)
+    asyncio.run(server.run())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from typing import Any, Coroutine
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_THREAD_NAME = "bloombee-client-loop"
 
 
 def client_loop() -> asyncio.AbstractEventLoop:
@@ -15,15 +16,19 @@ def client_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="bloombee-client-loop", daemon=True).start()
+            threading.Thread(target=loop.run_forever, name=_THREAD_NAME, daemon=True).start()
             atexit.register(_stop, loop)
             _loop = loop
         return _loop
 
 
 def run_sync(coroutine: Coroutine, timeout: float | None = None) -> Any:
-    """Run a coroutine on the client loop and wait for its result from a synchronous caller."""
-    return asyncio.run_coroutine_threadsafe(coroutine, client_loop()).result(timeout)
+    """Run a coroutine on the client loop and wait for its result from a synchronous caller (any other thread)."""
+    loop = client_loop()
+    if threading.current_thread().name == _THREAD_NAME:
+        coroutine.close()
+        raise RuntimeError("a blocking client call was made on the client loop itself; await the coroutine instead")
+    return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
 
 
 def _stop(loop: asyncio.AbstractEventLoop) -> None:

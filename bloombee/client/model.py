@@ -1,13 +1,17 @@
 """`AutoDistributedModelForCausalLM`: local embeddings and LM head, remote blocks, transformers' generate()."""
 
 import contextlib
+import contextvars
 import logging
+import weakref
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from bloombee.client.lifetime import release
 from bloombee.client.remote import RemoteSequential
 from bloombee.client.session import InferenceSession
 from bloombee.dht.peers import start_dht
@@ -17,23 +21,34 @@ from bloombee.settings import ClientSettings, load_settings
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _ActiveSession:
+    """The session one thread (or asyncio task) generates through, and where its current generate() call began."""
+
+    session: InferenceSession
+    base: int = 0  # session position where the current generate() call's input_ids start
+    pending_ids: torch.Tensor | None = None  # last generated tokens, not yet run through the blocks
+
+
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM whose blocks run in the swarm; `generate()` takes transformers' usual arguments.
 
     Inside `with model.inference_session(max_length=...)`, successive `generate()` calls continue
     the same sequence: each call's inputs are appended after what the session already holds.
+    The active session belongs to the calling thread (or asyncio task): several threads can generate
+    through one model object at once, each in its own session.
     """
 
     config_class = PretrainedConfig
     main_input_name = "input_ids"
     _supports_cache_class = False
+    _release: weakref.finalize | None = None  # frees the DHT peer from_pretrained started: on close() or when dropped
 
     def __init__(self, config: PretrainedConfig, head: torch.nn.Module, remote: RemoteSequential):
         super().__init__(config)
         self.head, self.remote = head, remote
-        self._session: InferenceSession | None = None
-        self._session_base = 0  # session position where the current generate() call's input_ids start
-        self._pending_ids: torch.Tensor | None = None  # last generated tokens, not yet run through the blocks
+        self._active: contextvars.ContextVar[_ActiveSession | None] = contextvars.ContextVar(f"bloombee_session_{id(self)}",
+                                                                                          default=None)
 
     @classmethod
     def from_pretrained(cls, model: str, initial_peers: Sequence[str] = (), *, dht=None, dtype="auto", device="cpu",
@@ -44,34 +59,59 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = load_model_config(path)
         config.name_or_path = str(path)  # so that AutoTokenizer.from_pretrained(model.name_or_path) finds the files
         head = load_client_head(path, dtype, device)
-        if dht is None:
-            dht = start_dht(initial_peers, client_mode=True)
         client_settings = load_settings(ClientSettings, settings)
-        remote = RemoteSequential(dht, dht_prefix(model), config, client_settings, str(model), allowed_servers,
-                                  blocked_servers)
+        owned = dht is None
+        if owned:
+            dht = start_dht(initial_peers, client_mode=True, connect_timeout=client_settings.connect_timeout)
+        try:
+            remote = RemoteSequential(dht, dht_prefix(model), config, client_settings, str(model), allowed_servers,
+                                      blocked_servers)
+        except BaseException:
+            if owned:
+                dht.shutdown()
+            raise
         instance = cls(config, head, remote)
+        if owned:
+            instance._release = weakref.finalize(instance, release, dht, remote.p2p)
         if (path / "generation_config.json").exists():
             instance.generation_config = GenerationConfig.from_pretrained(path)
         return instance.eval()
 
+    def close(self) -> None:
+        """Free the DHT peer and p2p daemon from_pretrained started for this model (a `dht` passed in stays up)."""
+        if self._release is not None:
+            self._release()
+
+    def __enter__(self) -> "DistributedModelForCausalLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def _session(self) -> InferenceSession | None:
+        """The calling thread's (or task's) active session."""
+        active = self._active.get()
+        return active.session if active is not None else None
+
     @contextlib.contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
-        """Keep one session (and the servers' KV caches) across several generate() calls."""
-        if self._session is not None:
-            raise RuntimeError("an inference session is already active on this model")
+        """Keep one session (and the servers' KV caches) across several generate() calls of this thread."""
+        if self._active.get() is not None:
+            raise RuntimeError("an inference session is already active on this model in this thread")
         with self.remote.inference_session(max_length, batch_size) as session:
-            self._session, self._pending_ids = session, None
+            token = self._active.set(_ActiveSession(session))
             try:
                 yield session
             finally:
-                self._session, self._pending_ids = None, None
+                self._active.reset(token)
 
     @torch.inference_mode()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' generate(), run through a session (the active one, or one opened for this call)."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
         kwargs["use_cache"] = False
-        if self._session is None:
+        if self._active.get() is None:
             new_tokens = kwargs.get("max_new_tokens") or (self.generation_config.max_new_tokens or 0)
             max_length = input_ids.shape[1] + new_tokens if new_tokens else kwargs.get("max_length", self.generation_config.max_length)
             with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0]):
@@ -79,15 +119,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return self._generate_in_session(input_ids, *args, **kwargs)
 
     def _generate_in_session(self, input_ids: torch.Tensor, *args, **kwargs):
-        if self._pending_ids is not None:
-            input_ids = torch.cat([self._pending_ids, input_ids], dim=1)
+        active = self._active.get()
+        if active.pending_ids is not None:
+            input_ids = torch.cat([active.pending_ids, input_ids], dim=1)
             if kwargs.get("attention_mask") is not None:
-                ones = torch.ones_like(self._pending_ids, dtype=kwargs["attention_mask"].dtype)
+                ones = torch.ones_like(active.pending_ids, dtype=kwargs["attention_mask"].dtype)
                 kwargs["attention_mask"] = torch.cat([ones, kwargs["attention_mask"]], dim=1)
-        self._session_base = self._session.position
+        active.base = active.session.position
         output = super().generate(input_ids, *args, **kwargs)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        self._pending_ids = sequences[:, -1:]
+        active.pending_ids = sequences[:, -1:]
         return output
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -95,13 +136,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
-        if self._session is None:
+        active = self._active.get()
+        if active is None:
             hidden = self.remote.forward(self.head.embed(input_ids), attention_mask)
             return CausalLMOutputWithPast(logits=self.head.logits(hidden))
-        seen = self._session.position - self._session_base
+        seen = active.session.position - active.base
         new_ids = input_ids[:, seen:]
         token_mask = attention_mask[:, seen:] if attention_mask is not None else None
-        hidden = self._session.step(self.head.embed(new_ids), token_mask)
+        hidden = active.session.step(self.head.embed(new_ids), token_mask)
         return CausalLMOutputWithPast(logits=self.head.logits(hidden.to(self.head_dtype)))
 
     @property

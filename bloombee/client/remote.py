@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import threading
 
 import hivemind
 import torch
@@ -31,6 +32,7 @@ class RemoteSequential:
         self.choose_micro_batches = MicroBatchChooser(config, settings.link_bandwidth_mbps, settings.compression)
         self.p2p = run_sync(dht.replicate_p2p())
         self._policies: dict[str, CompressionPolicy] = {}
+        self._policies_lock = threading.Lock()
 
     @property
     def link_bandwidth(self) -> float:
@@ -38,10 +40,12 @@ class RemoteSequential:
 
     def policy_for(self, peer_id: str, record) -> CompressionPolicy:
         """The compression policy of the link to one server (shared by the sessions of this client)."""
-        if peer_id not in self._policies:
-            bandwidth = min(self.link_bandwidth, record.link_bandwidth)
-            self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth, accepted=record.codecs or ("raw",))
-        return self._policies[peer_id]
+        with self._policies_lock:
+            if peer_id not in self._policies:
+                bandwidth = min(self.link_bandwidth, record.link_bandwidth)
+                self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth,
+                                                            accepted=record.codecs or ("raw",))
+            return self._policies[peer_id]
 
     def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
         """Open a session along the best chain; close it (or use it as a context manager) when done."""

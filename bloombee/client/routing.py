@@ -58,14 +58,18 @@ class SequenceManager:
         self._bans: dict[str, tuple[float, int]] = {}
         self._incompatible: set[str] = set()  # servers skipped as incompatible, logged once
         self._lock = threading.Lock()
+        self._update_lock = threading.Lock()  # one DHT read at a time; concurrent callers wait for it and reuse it
 
     def update(self, force: bool = False) -> None:
         """Refresh the records when they are older than update_period (or always when forced)."""
-        if not force and time.monotonic() - self._updated_at < self.settings.update_period:
-            return
-        records = fetch_records(self.dht, self.prefix, self.num_blocks)
-        with self._lock:
-            self._records, self._updated_at = records, time.monotonic()
+        requested = time.monotonic()
+        with self._update_lock:
+            fresh = self._updated_at >= requested if force else time.monotonic() - self._updated_at < self.settings.update_period
+            if fresh:
+                return
+            records = fetch_records(self.dht, self.prefix, self.num_blocks)
+            with self._lock:
+                self._records, self._updated_at = records, time.monotonic()
 
     def ban(self, peer_id: str) -> None:
         """Exclude a failing server for ban_base_seconds, doubling on each new failure."""

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from hivemind.p2p import P2P
 
+from bloombee.client.deadlines import StepClock
 from bloombee.client.loop import run_sync
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
@@ -34,6 +35,7 @@ from bloombee.settings import ClientSettings
 logger = logging.getLogger(__name__)
 
 
+PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
 SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "compute_s", "encode_s")  # HopReport fields added up over micro-batches
 
 
@@ -46,6 +48,37 @@ def split_rows(batch: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((first, rows))
         first += rows
     return bounds
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step as the chain computed it: positions [start, start + tokens) in micro-batches of (first row, rows).
+
+    A replay onto a replacement server repeats these shapes, because attention over many queries at once
+    rounds differently from one query at a time (bfloat16 visibly): the same shapes give the same caches."""
+
+    start: int
+    tokens: int
+    parts: tuple[tuple[int, int], ...]
+
+
+def record_shape(shapes: list[StepShape], shape: StepShape) -> list[StepShape]:
+    """The shapes that built the caches once `shape` is written over [shape.start, ...): later ones dropped."""
+    kept = [earlier for earlier in shapes if earlier.start < shape.start]
+    if kept and kept[-1].start + kept[-1].tokens > shape.start:
+        last = kept[-1]
+        kept[-1] = StepShape(last.start, shape.start - last.start, last.parts)
+    return kept + [shape]
+
+
+def shapes_before(shapes: list[StepShape], end: int) -> list[StepShape]:
+    """The recorded shapes clipped to positions [0, end)."""
+    clipped = []
+    for shape in shapes:
+        if shape.start >= end:
+            break
+        clipped.append(StepShape(shape.start, min(shape.tokens, end - shape.start), shape.parts))
+    return clipped
 
 
 @dataclass
@@ -89,10 +122,11 @@ class StepStats:
 class InferenceSession:
     """Sends steps of hidden states through the chain; each server pushes to the next, the last replies.
 
-    The client keeps only its own inputs (the first span's history). When a server fails, the spans
-    it covered are re-routed to other servers, which are given the history of their inputs (from the
-    client, or from the previous server's output history) so that their caches are rebuilt at the
-    same positions, and the step is retried.
+    The client keeps only its own inputs (the first span's history) and the shape of every step. When a
+    server fails (its stream breaks, a push to it fails, or a step outlives its deadline), the spans it
+    covered are re-routed to other servers, which are given the history of their inputs (from the
+    client, or from the previous server's output history) step by step in the original shapes, so that
+    their caches are rebuilt bit for bit, and the step is retried.
     """
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
@@ -108,6 +142,8 @@ class InferenceSession:
         self.input_history: torch.Tensor | None = None  # [batch, max_length, hidden], allocated at the first step
         self.mask_history = torch.zeros(batch_size, max_length, dtype=torch.bool)
         self.recoveries = 0
+        self.shapes: list[StepShape] = []  # the steps that built the servers' caches, in order
+        self.clock = StepClock(settings, hidden_size)
         self.last_step: StepStats | None = None
         self._step_id = 0
         self._own_decode_speed = Ewma(0.2, None)  # raw bytes/s this client decodes replies at
@@ -152,7 +188,7 @@ class InferenceSession:
             spans = await loop.run_in_executor(None, self.manager.make_route, start, end)
             streams = [SpanStream(span, self._events) for span in spans]
             results = await asyncio.gather(
-                *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.request_timeout,
+                *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.open_timeout,
                               self.settings.compression)
                   for stream in streams), return_exceptions=True)
             failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
@@ -193,8 +229,10 @@ class InferenceSession:
             self.input_history[:, start:start + num_tokens] = hidden.detach().to(self.input_history.dtype).cpu()
             self.mask_history[:, start:start + num_tokens] = mask
         for attempt in range(self.settings.max_retries + 1):
+            parts = split_rows(batch, self.micro_batches_for(self.streams, num_tokens, start + num_tokens))
             try:
-                output = await self._run_chain(self.streams, hidden, mask, start, reply=True)
+                output = await self._run_chain(self.streams, hidden, mask, start, reply=True, parts=parts)
+                self.shapes = record_shape(self.shapes, StepShape(start, num_tokens, tuple(parts)))
                 self.position = start + num_tokens
                 return output
             except ServerFailed as failure:
@@ -204,17 +242,36 @@ class InferenceSession:
                 await self._recover(failure.index, start, ban=failure.ban)
         raise AssertionError("unreachable")
 
-    async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool) -> torch.Tensor | None:
-        """Send one step to the first server of `chain` as micro-batches; gather the last server's outputs (or acks)."""
+    async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool,
+                         parts: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
+        """Send one step to the first server of `chain` as micro-batches (`parts`, else as many as the chain suits);
+        gather the last server's outputs (or acks)."""
         began = time.perf_counter()
+        batch, num_tokens = hidden.shape[0], hidden.shape[1]
+        if parts is None:
+            parts = split_rows(batch, self.micro_batches_for(chain, num_tokens, start + num_tokens))
         step_id = self._next_step_id()
+        stats = StepStats(micro_batches=len(parts))
+        expected = self.clock.expected([stream.span for stream in chain], batch, num_tokens)
+        await self._send_step(chain, step_id, hidden, mask, start, parts, reply, stats)
+        outputs = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, expected, stats,
+                                    [offset for offset, _ in parts])
+        stats.total_s = time.perf_counter() - began
+        self.last_step = stats
+        if not reply:
+            return None
+        self.clock.observe(batch, num_tokens, stats.total_s)
+        self._learn_decode_speeds(chain, stats)
+        return torch.cat([outputs[offset] for offset, _ in parts]) if len(parts) > 1 else outputs[0]
+
+    async def _send_step(self, chain: list[SpanStream], step_id: int, hidden: torch.Tensor, mask: torch.Tensor, start: int,
+                         parts: Sequence[tuple[int, int]], reply: bool, stats: StepStats) -> None:
+        """Encode and send one step's micro-batches to the first server of `chain`, with the rest of the chain."""
         route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
                           link_bandwidth=stream.span.record.link_bandwidth,
                           decode_speed=self._policy(stream).measured_decompress_speed) for stream in chain[1:])
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
                             reply_decode_speed=self._own_decode_speed.value)
-        parts = split_rows(hidden.shape[0], self.micro_batches_for(chain, hidden.shape[1], start + hidden.shape[1]))
-        stats = StepStats(micro_batches=len(parts))
         loop = asyncio.get_running_loop()
         for offset, size in parts:
             tensors = {"hidden": hidden[offset:offset + size]}
@@ -224,14 +281,6 @@ class InferenceSession:
             step = header.model_copy(update={"batch_offset": offset})
             await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=step), encoded.frames))
             stats.add_sent(encoded)
-        outputs = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, stats,
-                                    [offset for offset, _ in parts])
-        stats.total_s = time.perf_counter() - began
-        self.last_step = stats
-        if not reply:
-            return None
-        self._learn_decode_speeds(chain, stats)
-        return torch.cat([outputs[offset] for offset, _ in parts]) if len(parts) > 1 else outputs[0]
 
     def planned_micro_batches(self, chain: list[SpanStream], num_tokens: int) -> int | None:
         """The M of the plan every server of `chain` follows, for the decode steps of the batch size it planned."""
@@ -266,20 +315,28 @@ class InferenceSession:
         if layout != "raw" and stats.client_decode_s > 0:
             self._own_decode_speed.update(raw_bytes / stats.client_decode_s)
 
-    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, stats: StepStats | None = None,
-                     offsets: Sequence[int] = (0,)) -> dict[int, torch.Tensor | None]:
+    async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, expected: float,
+                     stats: StepStats | None = None, offsets: Sequence[int] = (0,),
+                     earlier: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | None]:
         """Wait for message `want` of `step_id` from the last server of `chain`, one per micro-batch (keyed by its
-        first row, in any order); raise ServerFailed on any failure."""
+        first row, in any order), for at most the deadline of something `expected` to take that many seconds; raise
+        ServerFailed on any failure, of this step or of the steps `earlier` still in flight."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.request_timeout
+        timeout = self.clock.deadline(expected)
+        deadline = loop.time() + timeout
+        probe_at = loop.time() + max(self.settings.step_timeout_factor * expected, PROBE_PERIOD)
         acked: set[int] = set()
         pending, outputs = set(offsets), {}
         while True:
             try:
-                stream, item = await asyncio.wait_for(self._events.get(), max(deadline - loop.time(), 0))
+                stream, item = await asyncio.wait_for(self._events.get(), max(min(deadline, probe_at) - loop.time(), 0))
             except asyncio.TimeoutError:
-                silent = next((index for index in range(len(chain)) if index not in acked), len(chain) - 1)
-                raise ServerFailed(silent, f"no answer within {self.settings.request_timeout:g} s") from None
+                if loop.time() >= deadline:
+                    silent = next((index for index in range(len(chain)) if index not in acked), len(chain) - 1)
+                    raise ServerFailed(silent, f"no answer within {timeout:.1f} s (expected {expected:.2f} s)") from None
+                await self._check_connected(chain)
+                probe_at = loop.time() + PROBE_PERIOD
+                continue
             if stream not in chain:
                 continue
             index = chain.index(stream)
@@ -290,10 +347,13 @@ class InferenceSession:
                 message, tensors = unpack(item)
             except (CodecError, ValueError) as error:
                 raise ServerFailed(index, f"sent a malformed message: {error}") from error
-            if message.step_id not in (None, step_id):
+            if message.step_id not in (None, step_id) and message.step_id not in earlier:
                 continue
             if message.kind == MessageKind.ERROR:
                 self._raise_error(chain, index, message)
+                continue
+            if message.step_id != step_id:
+                continue
             if message.kind == MessageKind.ACK:
                 acked.add(index)
             offset = message.batch_offset or 0
@@ -306,13 +366,32 @@ class InferenceSession:
                 if not pending:
                     return outputs
 
+    async def _check_connected(self, chain: list[SpanStream]) -> None:
+        """Raise ServerFailed for the first server of `chain` this client has lost its connection to (its p2p daemon
+        ended: a dead server, found before the step's deadline; a frozen one stays connected until then)."""
+        try:
+            peers = await asyncio.wait_for(self.p2p.list_peers(), PROBE_PERIOD)
+        except asyncio.TimeoutError:
+            logger.warning("This client's p2p daemon did not list its connections within %g s", PROBE_PERIOD)
+            return
+        connected = {info.peer_id.to_base58() for info in peers}
+        for index, stream in enumerate(chain):
+            if stream.span.peer_id not in connected:
+                raise ServerFailed(index, "its connection closed (the server's p2p daemon ended)")
+
     @staticmethod
     def _raise_error(chain: list[SpanStream], index: int, message: Message) -> None:
+        """Raise what an error message from server `index` means; return for a report about a server no longer in
+        the chain (a push of an earlier chain that failed after the session moved on)."""
         name = chain[index].span.record.public_name or chain[index].span.peer_id
         if message.error_kind == ErrorKind.INVALID:
             raise RequestRejected(f"server {name} rejected the request: {message.error}")
         if message.error_kind == ErrorKind.PEER_FAILED:
             peers = [stream.span.peer_id for stream in chain]
+            if message.failed_peer is not None and message.failed_peer not in peers:
+                logger.info("Ignoring a report from %s about %s, no longer in the chain: %s", name, message.failed_peer,
+                            message.error)
+                return
             failed = peers.index(message.failed_peer) if message.failed_peer in peers else min(index + 1, len(chain) - 1)
             raise ServerFailed(failed, message.error or "push failed")
         raise ServerFailed(index, f"server {name}: {message.error}", ban=message.error_kind != ErrorKind.EXPIRED)
@@ -341,7 +420,7 @@ class InferenceSession:
                     first -= 1
                     continue
             try:
-                await self._run_chain(new_streams, history, self.mask_history[:, :history_end], 0, reply=False)
+                await self._replay(new_streams, history, history_end)
                 break
             except ServerFailed as error:
                 logger.warning("Replay onto new servers failed (%s); routing again", error)
@@ -350,7 +429,24 @@ class InferenceSession:
         self.streams[first:failed + 1] = new_streams
         logger.info("Recovered: chain is now %s", [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in self.streams])
 
+    async def _replay(self, chain: list[SpanStream], history: torch.Tensor, end: int) -> None:
+        """Rebuild the caches of `chain` over positions [0, end) from `history`, its inputs, in the recorded step
+        shapes; all steps are sent at once and the last one's acknowledgement closes the replay."""
+        shapes = shapes_before(self.shapes, end)
+        spans = [stream.span for stream in chain]
+        expected = sum(self.clock.expected(spans, self.batch_size, shape.tokens) for shape in shapes)
+        stats, step_ids = StepStats(), []
+        for shape in shapes:
+            step_ids.append(self._next_step_id())
+            positions = slice(shape.start, shape.start + shape.tokens)
+            await self._send_step(chain, step_ids[-1], history[:, positions], self.mask_history[:, positions],
+                                  shape.start, shape.parts, False, stats)
+        await self._await(chain, step_ids[-1], MessageKind.ACK, expected, offsets=[offset for offset, _ in shapes[-1].parts],
+                          earlier=frozenset(step_ids[:-1]))
+        logger.info("Replayed %d positions onto %s as %d steps", end, [span.peer_id[-6:] for span in spans], len(shapes))
+
     async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
         step_id = self._next_step_id()
         await stream.send(pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=step_id)))
-        return (await self._await([stream], step_id, MessageKind.HISTORY))[0]
+        expected = self.clock.announced([stream.span], self.batch_size * end)
+        return (await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]

@@ -7,9 +7,12 @@ from typing import Sequence
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from bloombee.dht.addresses import LOOPBACK_MADDRS
+from bloombee.dht.lifecycle import GuardedDHT
+
 logger = logging.getLogger(__name__)
 
-LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+DEFAULT_CONNECT_TIMEOUT = 30.0  # seconds to start a DHT peer and join the swarm
 
 
 def binds_only_loopback(host_maddrs: Sequence[str]) -> bool:
@@ -38,10 +41,14 @@ def start_dht(
     identity_path: str | None = None,
     nat_traversal: bool | None = None,
     client_mode: bool = False,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
 ) -> hivemind.DHT:
-    """Start a DHT peer (see nat_traversal_enabled for NAT traversal); no IPFS bootstrap, no public peers."""
+    """Start a DHT peer (see nat_traversal_enabled for NAT traversal); no IPFS bootstrap, no public peers.
+
+    Its child process and p2p daemon end with this process (GuardedDHT). Raises TimeoutError, with both
+    freed, when the peer is not up and joined to `initial_peers` within `connect_timeout` seconds."""
     nat = nat_traversal_enabled(host_maddrs, nat_traversal)
-    dht = hivemind.DHT(
+    dht = GuardedDHT(
         initial_peers=list(initial_peers),
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,
@@ -53,8 +60,16 @@ def start_dht(
         use_auto_relay=nat,
         use_ipfs=False,
         ensure_bootstrap_success=bool(initial_peers),
-        start=True,
+        start=False,
     )
+    try:
+        dht.run_in_background(await_ready=True, timeout=connect_timeout)
+    except BaseException as error:
+        dht.shutdown()
+        if isinstance(error, TimeoutError):
+            raise TimeoutError(f"the DHT peer did not start and join {list(initial_peers) or 'a new swarm'} within "
+                               f"{connect_timeout:g} s; check --initial-peers or raise the connect timeout") from None
+        raise
     logger.info("DHT peer %s started (NAT traversal %s)", dht.peer_id, "on" if nat else "off")
     return dht
 

@@ -51,10 +51,13 @@ def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.{block}"
 
 
-def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, expiration_time: float) -> None:
-    """Store the record under every hosted block's key, with this peer's id as the subkey."""
+def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, expiration_time: float,
+             timeout: float | None = None) -> None:
+    """Store the record under every hosted block's key, with this peer's id as the subkey (TimeoutError after
+    `timeout` seconds)."""
     keys = [block_key(prefix, block) for block in range(record.start_block, record.end_block)]
-    dht.run_coroutine(_StoreRecords(keys, dht.peer_id.to_base58(), record.model_dump(mode="json"), expiration_time))
+    store = _StoreRecords(keys, dht.peer_id.to_base58(), record.model_dump(mode="json"), expiration_time)
+    dht.run_coroutine(store, return_future=True).result(timeout)
 
 
 class _StoreRecords:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -60,6 +61,10 @@ def resolve_model(name_or_path: str | os.PathLike, weights: bool | list[str] = T
     target = ALIASES.get(name, name)
     if target.startswith(PACKAGE_ASSET):
         return _package_asset(name, target)
+    close = difflib.get_close_matches(name, ALIASES, n=1, cutoff=0.75) if "/" not in name and name not in ALIASES else []
+    if close:
+        raise ModelNotFoundError(f"unknown model {name!r}: did you mean {close[0]}? (not a local folder and not an "
+                                 f"alias; aliases: {', '.join(sorted(ALIASES))})")
     if not _HUB_ID.match(target) or target.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"{name!r} is not a local folder, not a known alias "
                                  f"({', '.join(sorted(ALIASES))}) and not a hub id (owner/name).")

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from bloombee.loading.resolve import ModelNotFoundError, load_model_config, resolve_model
+from bloombee.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +61,19 @@ class CheckpointReader:
         for name in names:
             by_file[self.weight_map[name]].append(name)
         out = {}
-        for file, file_names in by_file.items():
-            if self.format == "safetensors":
-                with safe_open(self.folder / file, framework="pt") as f:
+        with progress_bar(sum(map(len, by_file.values())), "loading weights", "tensor") as bar:
+            for file, file_names in by_file.items():
+                if self.format == "safetensors":
+                    with safe_open(self.folder / file, framework="pt") as f:
+                        for name in file_names:
+                            out[name] = _cast(f.get_tensor(name), dtype)
+                            bar.update()
+                else:
+                    shard = self._load_bin(file)
                     for name in file_names:
-                        out[name] = _cast(f.get_tensor(name), dtype)
-            else:
-                shard = self._load_bin(file)
-                for name in file_names:
-                    out[name] = _cast(shard[name], dtype)
-                del shard
+                        out[name] = _cast(shard[name], dtype)
+                        bar.update()
+                    del shard
         return out
 
 

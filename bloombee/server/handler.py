@@ -86,7 +86,12 @@ class BlockServicer:
             if session is None:
                 yield error_envelope(ErrorKind.INVALID, "push names no session open on this server")
                 continue
-            await session.inbox.put(request)
+            try:
+                await asyncio.wait_for(session.inbox.put(request), self.settings.push_timeout)
+            except asyncio.TimeoutError:
+                yield error_envelope(ErrorKind.REFUSED, f"session {header.session_id} took no push for "
+                                     f"{self.settings.push_timeout:g} s", header.step_id)
+                continue
             yield pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset))
 
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
@@ -215,7 +220,7 @@ class BlockServicer:
                            error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
 
         session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.push_policy(session, hop),
-                                           self.settings.push_buffer_bytes, self.push_stats)
+                                           self.settings.push_buffer_bytes, self.push_stats, self.settings.push_timeout)
         return session.push_channel
 
     @staticmethod

@@ -29,13 +29,15 @@ class PushChannel:
     """Keeps one push stream to (peer, session) open and reports a failure through `on_failure` once.
 
     At most `buffer_bytes` wait in the channel for the stream to take them (one message always may):
-    past that, `send` waits, so a next server that stops reading slows this one down.
+    past that, `send` waits, so a next server that stops reading slows this one down. A push fails when
+    the stream breaks, when the next server does not acknowledge a step within `timeout` seconds of
+    taking it, or when the buffer has no room for that long.
     """
 
     def __init__(self, p2p: P2P, peer_id: str, session_id: str, on_failure: Callable[[str, str], None],
-                 policy: CompressionPolicy, buffer_bytes: int, stats: PushStats):
+                 policy: CompressionPolicy, buffer_bytes: int, stats: PushStats, timeout: float):
         self.peer_id, self.session_id, self.policy = peer_id, session_id, policy
-        self.buffer_bytes, self.stats = buffer_bytes, stats
+        self.buffer_bytes, self.stats, self.timeout = buffer_bytes, stats, timeout
         self._sent: dict[tuple[int, int], tuple[float, int]] = {}  # (step id, row) -> (send time, wire bytes), until acked
         self._stub = block_service_stub(p2p, peer_id)
         self._outbox: deque[tuple[runtime_pb2.ExpertRequest, int, tuple[int, int], int]] = deque()
@@ -43,14 +45,24 @@ class PushChannel:
         self._changed = asyncio.Condition()
         self._on_failure = on_failure
         self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
         self._closing = False
         self.failed = False
 
     async def send(self, envelope: runtime_pb2.ExpertRequest, step_id: int, batch_offset: int, wire_bytes: int) -> None:
         """Queue a step for the next server, waiting while the buffer is full; its ack times the transfer."""
         if self._reader is None and not self.failed:
-            responses = await self._stub.rpc_push(self._stream())
+            responses = await asyncio.wait_for(self._stub.rpc_push(self._stream()), self.timeout)
             self._reader = asyncio.create_task(self._read_acks(responses))
+            self._watchdog = asyncio.create_task(self._watch_acks())
+        try:
+            await asyncio.wait_for(self._enqueue(envelope, (step_id, batch_offset), wire_bytes), self.timeout)
+        except asyncio.TimeoutError:
+            reason = f"no room in the push buffer for {self.timeout:g} s: the next server does not take pushes"
+            await self._fail(reason)
+            raise ConnectionError(f"push to {self.peer_id} failed: {reason}") from None
+
+    async def _enqueue(self, envelope: runtime_pb2.ExpertRequest, key: tuple[int, int], wire_bytes: int) -> None:
         size = envelope.ByteSize()
         async with self._changed:
             if self._queued_bytes and self._queued_bytes + size > self.buffer_bytes:
@@ -59,7 +71,7 @@ class PushChannel:
                                          or self._queued_bytes + size <= self.buffer_bytes)
             if self.failed or self._closing:
                 raise ConnectionError(f"push stream to {self.peer_id} has already failed or closed")
-            self._outbox.append((envelope, size, (step_id, batch_offset), wire_bytes))
+            self._outbox.append((envelope, size, key, wire_bytes))
             self._queued_bytes += size
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
             self._changed.notify_all()
@@ -93,18 +105,31 @@ class PushChannel:
         if not self._closing:
             await self._fail("the next server closed the push stream")
 
+    async def _watch_acks(self) -> None:
+        """Fail the channel when the oldest step the stream took has gone unacknowledged for `timeout` seconds."""
+        while not (self.failed or self._closing):
+            await asyncio.sleep(min(self.timeout / 4, 0.5))
+            oldest = min((sent_at for sent_at, _ in self._sent.values()), default=None)
+            if oldest is not None and time.perf_counter() - oldest > self.timeout:
+                await self._fail(f"no acknowledgement within {self.timeout:g} s")
+
     async def _fail(self, reason: str) -> None:
-        if not self.failed:
-            self.failed = True
+        if self.failed:
+            return
+        self.failed = True
+        if self._closing:  # the session moved on to another next server: nobody needs to hear of it
+            logger.info("Push to %s ended after close: %s", self.peer_id, reason)
+        else:
             logger.warning("Push to %s failed: %s", self.peer_id, reason)
             self._on_failure(self.peer_id, reason)
-            async with self._changed:  # wake senders waiting for room
-                self._changed.notify_all()
+        async with self._changed:  # wake senders waiting for room
+            self._changed.notify_all()
 
     async def close(self) -> None:
         """Let the stream send what is queued, then end it."""
         async with self._changed:
             self._closing = True
             self._changed.notify_all()
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()

@@ -129,8 +129,20 @@ class Server:
                 "push": asdict(self.servicer.push_stats)}
 
     def _announce(self) -> None:
+        if not self.dht.is_alive():
+            raise RuntimeError("the server's DHT process has ended; cannot announce")
         expiration = get_dht_time() + 3 * self.settings.announce_period
-        announce(self.dht, self.prefix, self.record(), expiration)
+        announce(self.dht, self.prefix, self.record(), expiration, self.settings.announce_timeout)
+
+    def _announce_offline(self) -> bool:
+        """The last announcement; a failure is logged, since the server stops either way."""
+        self.state = ServerState.OFFLINE
+        try:
+            self._announce()
+        except Exception as error:
+            logger.warning("Could not announce offline (%s: %s); the record expires by itself", type(error).__name__, error)
+            return False
+        return True
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,17 +155,20 @@ class Server:
         try:
             await self._maintain()
         finally:
-            self.state = ServerState.OFFLINE
-            await loop.run_in_executor(None, self._announce)
+            announced = await loop.run_in_executor(None, self._announce_offline)
             self.servicer.compute.shutdown(wait=False)
-            logger.info("Announced offline and stopped")
+            logger.info("Announced offline and stopped" if announced else "Stopped without announcing offline")
 
     async def _maintain(self) -> None:
         """Announce every announce_period; look for a better range every rebalance_period when serving no one."""
         loop = asyncio.get_running_loop()
         since_rebalance = 0.0
         while not self._stop.is_set():
-            await loop.run_in_executor(None, self._announce)
+            try:
+                await loop.run_in_executor(None, self._announce)
+            except TimeoutError:
+                logger.warning("An announcement took over %g s; trying again in %g s",
+                               self.settings.announce_timeout, self.settings.announce_period)
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.settings.announce_period)
             except asyncio.TimeoutError:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
 from bloombee.server.measure_cache import CACHE_DIR, cached
 from bloombee.server.sessions import Session
@@ -30,7 +31,7 @@ def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
     hidden = torch.randn(1, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
     backend.step(session, hidden, 0, 0, None, None)  # warm-up
     began = time.perf_counter()
-    for position in range(1, steps + 1):
+    for position in progress(range(1, steps + 1), "measuring throughput", unit="step"):
         backend.step(session, hidden, position, 0, None, None)
     if backend.device.type == "cuda":
         torch.cuda.synchronize(backend.device)
