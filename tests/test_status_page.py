@@ -72,7 +72,7 @@ def client(*args: str) -> subprocess.CompletedProcess:
 def test_status_command_shows_both_servers_and_a_full_chain(swarm):
     result = client("status", "--model", MODEL, "--initial-peers", *swarm.initial_peers, "--json")
     assert result.returncode == 0, result.stderr
-    status = json.loads(result.stdout)
+    [status] = json.loads(result.stdout)["models"]
     assert status["full_chain"] and status["uncovered"] == []
     servers = {server["public_name"]: server for server in status["servers"]}
     assert (servers["a"]["start_block"], servers["a"]["end_block"], servers["b"]["start_block"]) == (0, 4, 4)
@@ -80,6 +80,10 @@ def test_status_command_shows_both_servers_and_a_full_chain(swarm):
     table = client("status", "--model", MODEL, "--initial-peers", *swarm.initial_peers)
     assert table.returncode == 0 and "full chain: a[0:4] -> b[4:8]" in table.stdout
     assert "servers per block: 1 1 1 1 1 1 1 1" in table.stdout
+    listed = client("status", "--initial-peers", *swarm.initial_peers, "--json")  # no --model: what the swarm serves
+    assert listed.returncode == 0, listed.stderr
+    assert [(model["prefix"], model["num_blocks"], model["full_chain"]) for model in json.loads(listed.stdout)["models"]] == [
+        (status["prefix"], 8, True)]
 
 
 def test_status_page_draws_the_blocks_and_shows_a_stopped_server(swarm, api, chromium, tmp_path):

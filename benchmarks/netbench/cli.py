@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.netbench import knobs, metrics, netns, predict, presets, report
 from benchmarks.netbench.plan import resolve_plan
+from bloombee.progress import progress_bar
 
 logger = logging.getLogger("benchmarks.netbench")
 
@@ -248,12 +249,14 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
         _wait_online(worker, swarm, everyone, args.startup_timeout)
         logger.info("servers %s online", sorted(everyone))
         background = measure_background(topology, args.background_s)
+        bar = progress_bar(len(group_envs) * args.repeats * len(group_configs), f"server set {index}", unit="run")
         for env in group_envs:
             topology.apply(env)
             for repeat in range(args.repeats):
                 order = group_configs if repeat % 2 == 0 else list(reversed(group_configs))
                 for config in order:
                     rep = run_with_retries(args, topology, swarm, worker, env, config, names, nodes)
+                    bar.update()
                     record = records.setdefault((env.name, config.name), new_record(
                         args, env, config, nodes, topology, rep, names[config.name], meta, background))
                     record["repeats"].append(rep["repeat"])
@@ -263,6 +266,7 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
                 record["summary"] = summarize(record)
                 (out_dir / "runs" / f"{config.name}-{env.name}.json").write_text(json.dumps(report.clean_json(record), indent=1))
                 log_summary(record["summary"])
+        bar.close()
     finally:
         swarm.stop_servers()
 

@@ -1,6 +1,7 @@
 """`bloombee-client`: generate text through the swarm, see who serves a model, or run a local demo swarm."""
 
 import argparse
+import json
 import sys
 import time
 
@@ -134,6 +135,22 @@ def read_status(args: argparse.Namespace):
         dht.shutdown()
 
 
+def read_statuses(args: argparse.Namespace) -> list:
+    """The swarm's status for --model, or for every model its servers list in the DHT."""
+    if args.model:
+        return [read_status(args)]
+    from bloombee.client.swarm_status import model_status
+    from bloombee.dht.peers import start_dht
+    from bloombee.dht.records import fetch_models
+
+    require_peers(args)
+    dht = start_dht(args.initial_peers, client_mode=True)
+    try:
+        return [model_status(dht, entry.model, prefix, entry.num_blocks) for prefix, entry in sorted(fetch_models(dht).items())]
+    finally:
+        dht.shutdown()
+
+
 def info(args: argparse.Namespace) -> int:
     """Who serves what; exit status 1 when some block has no server."""
     status = read_status(args)
@@ -150,12 +167,18 @@ def info(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    """Each server of the model, the blocks nobody serves, whether a full chain exists; exit 1 without one."""
+    """Per model: each server, the blocks nobody serves, whether a full chain exists; exit 1 where one lacks it."""
     from bloombee.client.swarm_status import status_lines
 
-    swarm = read_status(args)
-    print(swarm.model_dump_json(indent=2) if args.json else "\n".join(status_lines(swarm)))
-    return 0 if swarm.full_chain else 1
+    models = read_statuses(args)
+    if not models:
+        print("no server of any model is announced in this swarm")
+        return 1
+    if args.json:
+        print(json.dumps({"models": [model.model_dump(mode="json") for model in models]}, indent=2))
+    else:
+        print("\n\n".join("\n".join(status_lines(model)) for model in models))
+    return 0 if all(model.full_chain for model in models) else 1
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -215,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--model", required=True, help="model folder, hub id or alias (required)")
     add_peer_flags(show)
     show.set_defaults(run=info)
-    look = commands.add_parser("status", help="the swarm's health for a model: servers, gaps, whether a full chain exists")
-    look.add_argument("--model", default="bloombee-tiny", help="model folder, hub id or alias (default: %(default)s)")
+    look = commands.add_parser("status", help="the swarm's health per model: servers, gaps, whether a full chain exists")
+    look.add_argument("--model", help="model folder, hub id or alias (default: every model the swarm's servers list)")
     look.add_argument("--json", action="store_true", help="print the status as JSON (default: a table)")
     add_peer_flags(look)
     look.set_defaults(run=status)

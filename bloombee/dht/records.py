@@ -47,6 +47,18 @@ class ServerRecord(BaseModel):
         return self
 
 
+MODELS_KEY = "bloombee_models"  # the swarm's directory of served models, one subkey per DHT prefix
+
+
+class ModelEntry(BaseModel):
+    """What a server says about the model it serves, under MODELS_KEY with the model's DHT prefix as subkey."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: str = Field(min_length=1, description="the name the server was started with: alias, hub id or folder")
+    num_blocks: int = Field(gt=0)
+
+
 def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.{block}"
 
@@ -58,6 +70,24 @@ def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, expiration_ti
     keys = [block_key(prefix, block) for block in range(record.start_block, record.end_block)]
     store = _StoreRecords(keys, dht.peer_id.to_base58(), record.model_dump(mode="json"), expiration_time)
     dht.run_coroutine(store, return_future=True).result(timeout)
+
+
+def announce_model(dht: hivemind.DHT, prefix: str, entry: ModelEntry, expiration_time: float,
+                   timeout: float | None = None) -> None:
+    """List the model in the swarm's directory (TimeoutError after `timeout` seconds)."""
+    store = _StoreRecords([MODELS_KEY], prefix, entry.model_dump(mode="json"), expiration_time)
+    dht.run_coroutine(store, return_future=True).result(timeout)
+
+
+def fetch_models(dht: hivemind.DHT) -> dict[str, ModelEntry]:
+    """The swarm's served models by DHT prefix; malformed entries are logged and skipped."""
+    models = {}
+    for prefix, value in dht.run_coroutine(_GetRecords([MODELS_KEY])).get(MODELS_KEY, {}).items():
+        try:
+            models[str(prefix)] = ModelEntry.model_validate(value)
+        except ValidationError as error:
+            logger.warning("Ignoring malformed model entry %s: %s", prefix, error.errors()[0]["msg"])
+    return models
 
 
 class _StoreRecords:

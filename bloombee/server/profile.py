@@ -18,6 +18,7 @@ import torch
 from bloombee import codec
 from bloombee.host import cpu_share
 from bloombee.planner import NodeSpec
+from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
 from bloombee.server.measure_cache import CACHE_DIR, cached
 from bloombee.server.sessions import Session
@@ -59,7 +60,7 @@ def _cost_columns(backend: BlockBackend, seq_len: int) -> tuple[list[float], lis
     Sizes above LONG_CACHE_ROWS (as many rows as a prompt step of a batch carries tokens) are timed
     without a long cache; their attention time extends the line of the sizes before."""
     mlp, attention = [], []
-    for index, batch in enumerate(MICRO_BATCHES):
+    for index, batch in enumerate(progress(MICRO_BATCHES, "profiling blocks", unit="size")):
         short, _ = _decode_ms(backend, batch, 1)
         mlp.append(short)
         if batch > LONG_CACHE_ROWS:

@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 
 import bloombee
 from bloombee import codec
-from bloombee.dht.records import ServerRecord, ServerState, announce, fetch_records
+from bloombee.dht.records import ModelEntry, ServerRecord, ServerState, announce, announce_model, fetch_records
 from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
 from bloombee.protocol import PROTOCOL_FEATURES
 from bloombee.server.backend import BlockBackend
@@ -44,7 +44,7 @@ class Server:
                  profile: bool = True, profile_path: str | None = None, planned: tuple[int, int] | None = None):
         self.model_path = resolve_model(model)
         self.config = load_model_config(self.model_path)
-        self.prefix = dht_prefix(model)
+        self.model_name, self.prefix = model, dht_prefix(model)
         self.total_blocks = self.config.num_hidden_layers
         self.dht, self.settings, self.blocks = dht, settings, blocks
         self.device, self.dtype_name = torch.device(device), dtype
@@ -133,6 +133,8 @@ class Server:
             raise RuntimeError("the server's DHT process has ended; cannot announce")
         expiration = get_dht_time() + 3 * self.settings.announce_period
         announce(self.dht, self.prefix, self.record(), expiration, self.settings.announce_timeout)
+        announce_model(self.dht, self.prefix, ModelEntry(model=self.model_name, num_blocks=self.total_blocks), expiration,
+                       self.settings.announce_timeout)
 
     def _announce_offline(self) -> bool:
         """The last announcement; a failure is logged, since the server stops either way."""
