@@ -120,32 +120,19 @@ def generate(args: argparse.Namespace) -> None:
     print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, servers: {chain}]", file=sys.stderr)
 
 
-def read_status(args: argparse.Namespace):
-    """The swarm's status for --model, read from the DHT."""
-    from bloombee.client.swarm_status import model_status
-    from bloombee.dht.peers import start_dht
-    from bloombee.loading import dht_prefix, load_model_config
-
-    require_peers(args)
-    num_blocks = load_model_config(args.model).num_hidden_layers
-    dht = start_dht(args.initial_peers, client_mode=True)
-    try:
-        return model_status(dht, args.model, dht_prefix(args.model), num_blocks)
-    finally:
-        dht.shutdown()
-
-
 def read_statuses(args: argparse.Namespace) -> list:
     """The swarm's status for --model, or for every model its servers list in the DHT."""
-    if args.model:
-        return [read_status(args)]
     from bloombee.client.swarm_status import model_status
     from bloombee.dht.peers import start_dht
     from bloombee.dht.records import fetch_models
+    from bloombee.loading import dht_prefix, load_model_config
 
     require_peers(args)
+    num_blocks = load_model_config(args.model).num_hidden_layers if args.model else None  # a bad name fails before joining
     dht = start_dht(args.initial_peers, client_mode=True)
     try:
+        if args.model:
+            return [model_status(dht, args.model, dht_prefix(args.model), num_blocks)]
         return [model_status(dht, entry.model, prefix, entry.num_blocks) for prefix, entry in sorted(fetch_models(dht).items())]
     finally:
         dht.shutdown()
@@ -153,7 +140,7 @@ def read_statuses(args: argparse.Namespace) -> list:
 
 def info(args: argparse.Namespace) -> int:
     """Who serves what; exit status 1 when some block has no server."""
-    status = read_status(args)
+    [status] = read_statuses(args)
     print(f"{status.prefix}: {status.num_blocks} blocks, {len(status.servers)} servers")
     for server in status.servers:
         print(f"  {server.public_name or '-':12} {server.peer_id}  blocks {server.start_block}:{server.end_block}  "
