@@ -17,7 +17,17 @@ class ServerSettings(BaseModel):
 
     max_batch_size: int = Field(32, ge=1, description="largest batch one inference session may open")
     max_length: int = Field(4096, ge=1, description="longest sequence (prompt + generated) one session may open")
-    cache_tokens: int = Field(65536, ge=1, description="KV-cache budget of the server in batch x length tokens")
+    cache_tokens: int = Field(16384, ge=1, description="batch x length tokens of sessions the server expects at once: "
+                              "--offload auto keeps this much KV cache in device memory if it can")
+    device_memory: str = Field("auto", description="device memory for weights, KV cache and workspace, e.g. 20GiB, "
+                               "512MiB, 24GB (auto: 90%% of a GPU; on a CPU the host budget)")
+    host_memory: str = Field("auto", description="host memory for offloaded KV cache and session history, e.g. 64GiB "
+                             "(auto: 80%% of the memory available at start-up)")
+    offload: Literal["auto"] | float = Field("auto", description="fraction of each block's KV cache kept in host "
+                                             "memory, 0..1 (auto: the smallest that fits the blocks and --cache-tokens "
+                                             "in --device-memory)")
+    alloc_timeout: float = Field(10.0, ge=0, description="seconds a new session may wait in line for memory before "
+                                 "it is refused")
     session_timeout: float = Field(300.0, gt=0, description="seconds a session may stay idle before its cache is freed")
     push_buffer_bytes: int = Field(32 << 20, ge=1, description="bytes a session may queue for the next server "
                                    "before its pipeline waits (back-pressure)")
@@ -32,6 +42,23 @@ class ServerSettings(BaseModel):
     announce_timeout: float = Field(5.0, gt=0, description="seconds one DHT announcement may take")
     push_timeout: float = Field(10.0, gt=0, description="seconds a step pushed to the next server may wait for its "
                                 "acknowledgement (or for room in the push buffer) before the push counts as failed")
+
+
+    @field_validator("device_memory", "host_memory")
+    @classmethod
+    def _memory_size(cls, value: str) -> str:
+        if value != "auto":
+            from bloombee.server.memory import parse_bytes
+
+            parse_bytes(value)
+        return value
+
+    @field_validator("offload")
+    @classmethod
+    def _fraction(cls, value):
+        if value != "auto" and not 0.0 <= value <= 1.0:
+            raise ValueError("offload must be auto or a fraction from 0 to 1")
+        return value
 
 
 class ClientSettings(BaseModel):

@@ -13,7 +13,7 @@ import torch
 from bloombee.client import AutoDistributedModel, MissingBlocksError
 from swarm_support import client, reference, save_tiny_llama, start_swarm
 
-CACHE_TOKENS = 4096
+SESSION_BYTES = 4 * 2 * 2 * 16 * 4  # per token: 4 blocks x K and V x 2 KV heads x head_dim 16 x float32
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,7 @@ def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "server-llama")
     swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
     try:
-        swarm.add_server("--blocks", "0:4", "--dtype", "float32", "--session-timeout", "3",
-                         "--cache-tokens", str(CACHE_TOKENS), name="first")
+        swarm.add_server("--blocks", "0:4", "--dtype", "float32", "--session-timeout", "3", name="first")
         swarm.add_server("--num-blocks", "4", "--dtype", "float32", "--rebalance-period", "2", "--announce-period", "1", name="second")
         yield swarm
     finally:
@@ -39,9 +38,11 @@ def test_idle_session_times_out_frees_cache_and_is_rebuilt(swarm):
         hidden = model.head.embed(torch.tensor([[4, 5, 6]]))
         first_out = session.step(hidden)
         first_peer = session.spans[0].peer_id
-        assert model.remote.server_info(first_peer)["cache_tokens_left"] == CACHE_TOKENS - 32
+        info = model.remote.server_info(first_peer)
+        assert info["device_memory_bytes"] - info["device_free_bytes"] == 32 * SESSION_BYTES
         time.sleep(5)
-        assert model.remote.server_info(first_peer)["cache_tokens_left"] == CACHE_TOKENS
+        info = model.remote.server_info(first_peer)
+        assert (info["device_free_bytes"], info["host_free_bytes"]) == (info["device_memory_bytes"], info["host_memory_bytes"])
         next_out = session.step(model.head.embed(torch.tensor([[7]])))
         assert session.recoveries == 1
     ref = reference(swarm.model)

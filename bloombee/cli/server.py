@@ -38,13 +38,6 @@ def stop_starting(signum: int, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum} while starting")
 
 
-def check_offload(alpha: float, device: str) -> None:
-    """A plan's KV offload fraction: nothing to do on CPU (the cache is in host memory already)."""
-    if alpha > 0 and not device.startswith("cpu"):
-        raise SystemExit(f"bloombee-server: the plan offloads {alpha:.0%} of this node's KV cache to host memory, "
-                         "and KV offloading is not built yet; plan with more GPU memory or run on --device cpu")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="bloombee-server", description=__doc__)
     parser.add_argument("--model", required=True, help="model folder, hub id or alias (e.g. bloombee-tiny, llama-30b)")
@@ -125,15 +118,15 @@ def serve(args: argparse.Namespace, settings: ServerSettings, dht) -> None:
             raise SystemExit("bloombee-server: --plan needs --node NAME (the node's name in the plan)")
         report = json.loads(Path(args.plan).read_text())
         start, end, alpha = node_range(report, args.node)
-        check_offload(alpha, args.device)
         planned = plan_schedule(report)
     else:
         start, end = args.blocks or (None, None)
-        planned = None
+        planned, alpha = None, None
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
     server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
                     public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
-                    profile=not args.no_profile, profile_path=args.profile, planned=planned)
+                    profile=not args.no_profile, profile_path=args.profile, planned=planned,
+                    planned_offload=alpha)
     asyncio.run(server.run())
 
 

@@ -27,7 +27,12 @@ class ServerRecord(BaseModel):
     end_block: int = Field(gt=0)
     throughput: float = Field(ge=0, description="decode steps per second through one block at batch 1")
     link_bandwidth: float = Field(gt=0, description="estimated link bandwidth, bytes per second")
-    cache_tokens_left: int = Field(ge=0)
+    cache_tokens_left: int = Field(ge=0, description="batch x length tokens of a session over all hosted blocks that fit now")
+    offload: float = Field(0.0, ge=0, le=1, description="fraction of each block's KV heads sessions keep in host memory")
+    device_memory_bytes: int = Field(0, ge=0, description="device memory for sessions, the weights already in")
+    host_memory_bytes: int = Field(0, ge=0, description="host memory for offloaded KV cache and session history")
+    device_free_bytes: int = Field(0, ge=0)
+    host_free_bytes: int = Field(0, ge=0)
     dtype: str
     device: str
     version: str

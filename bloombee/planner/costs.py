@@ -14,7 +14,8 @@ Memory (per node holding l blocks; bytes):
     weights   W  = l * weight_bytes_per_block
     workspace WS = reserved + b * workspace_bytes_per_token
     KV        KV = l * B * s * kv_bytes_per_token_per_block      (the whole batch's cache, every M)
-    alpha = max(0, 1 - (G - W - WS) / KV)                          (smallest offload that fits)
+    alpha = max(0, 1 - (G - W - WS) / KV)                          (smallest offload that fits,
+                                                                    rounded up to whole KV heads)
     infeasible if W + WS > G ("GPU memory") or alpha * KV > host  ("host memory")
 
 Compute (seconds):  T_comp = l * (t_mlp(b) + (1 - alpha) * t_attn_gpu(b) + alpha * t_attn_cpu(b)).
@@ -41,6 +42,18 @@ STATUS_OK = 0
 STATUS_GPU = 1  # weights + workspace exceed GPU memory
 STATUS_HOST = 2  # the offloaded share of the KV cache exceeds host memory
 MS = 1e-3
+
+
+def offload_fraction(free_bytes, kv_bytes, kv_heads: int | None = None):
+    """The smallest fraction alpha of a KV cache of `kv_bytes` to keep in host memory so that the rest fits in
+    `free_bytes` of device memory, rounded up to whole KV heads when `kv_heads` is known (servers split the cache
+    by heads); numbers or numpy arrays. The one rule the planner, the servers' --offload auto and the clients share."""
+    free, kv = np.asarray(free_bytes, dtype=np.float64), np.asarray(kv_bytes, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
+    if kv_heads:
+        alpha = np.minimum(np.ceil(alpha * kv_heads - 1e-9), kv_heads) / kv_heads
+    return alpha
 
 
 def micro_batch_size(batch_size: int, micro_batches: int) -> int:
@@ -164,9 +177,7 @@ class StepModel:
         weights = l * self.weight_bytes
         kv = l * self.kv_block
         free = self.gpu_bytes[col] - self.workspace[col] - weights
-        with np.errstate(divide="ignore", invalid="ignore"):
-            alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
-        return weights, kv, free, alpha
+        return weights, kv, free, offload_fraction(free, kv, self.inputs.model.num_key_value_heads)
 
     def _per_block(self, alpha: np.ndarray) -> np.ndarray:
         """T_comp of one block at offload fraction alpha (MLP on GPU, attention split GPU/CPU)."""

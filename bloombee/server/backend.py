@@ -7,6 +7,8 @@ from pydantic import ValidationError
 
 from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
+from bloombee.models.core.offload import host_kv_heads
+from bloombee.server.memory import SessionBytes
 from bloombee.server.sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -22,10 +24,11 @@ BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller
 class BlockBackend:
     """Runs a sub-range of the hosted block stack; every call is made from the server's compute thread."""
 
-    def __init__(self, stack: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    def __init__(self, stack: torch.nn.Module, device: torch.device, dtype: torch.dtype, offload: float = 0.0):
         self.stack, self.device, self.dtype = stack, torch.device(device), dtype
         self.start, self.end = stack.start, stack.end
         self.hidden_size = stack.config.hidden_size
+        self.offload = offload  # fraction of each block's KV heads that sessions keep in host memory
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -33,8 +36,33 @@ class BlockBackend:
                 f"blocks [{start_block}, {end_block}) are not inside this server's range [{self.start}, {self.end})"
             )
 
-    def new_caches(self, start_block: int, end_block: int, batch_size: int, max_length: int) -> list:
-        return self.stack.new_caches(batch_size, max_length, block_range=(start_block, end_block))
+    def session_bytes(self, start_block: int, end_block: int, batch_size: int, max_length: int,
+                      offload: float | None = None) -> SessionBytes:
+        """What a session's tensors take on the device and in host memory: each block's keys and values (their
+        offloaded heads in host memory), and in host memory the token mask and the output history."""
+        offload = self.offload if offload is None else offload
+        item = self.dtype.itemsize
+        device = host = 0
+        for cfg in self.stack.block_configs[start_block - self.start:end_block - self.start]:
+            head_bytes = 2 * batch_size * max_length * cfg.head_dim * item  # K and V of one KV head
+            host_heads = host_kv_heads(offload, cfg.num_kv_heads)
+            device += head_bytes * (cfg.num_kv_heads - host_heads)
+            host += head_bytes * host_heads
+        host += batch_size * max_length * (self.hidden_size * item + torch.bool.itemsize)
+        return SessionBytes(device, host)
+
+    def new_session(self, session_id: str, start_block: int, end_block: int, batch_size: int, max_length: int,
+                    offload: float | None = None, **client) -> Session:
+        """A session's state for blocks [start_block, end_block); `client` sets the client-side fields of Session."""
+        self.check_range(start_block, end_block)
+        offload = self.offload if offload is None else offload
+        return Session(
+            session_id=session_id, start_block=start_block, end_block=end_block, batch_size=batch_size,
+            max_length=max_length,
+            caches=self.stack.new_caches(batch_size, max_length, block_range=(start_block, end_block), offload=offload),
+            token_mask=torch.zeros(batch_size, max_length, dtype=torch.bool),
+            output_history=torch.zeros(batch_size, max_length, self.hidden_size, dtype=self.dtype),
+            held=self.session_bytes(start_block, end_block, batch_size, max_length, offload), **client)
 
     def _check_hidden(self, hidden: torch.Tensor) -> None:
         if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:

@@ -5,7 +5,6 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
-import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
@@ -28,7 +27,8 @@ from bloombee.protocol.service import register_block_service
 from bloombee.server.backend import BAD_INPUT, BlockBackend, InvalidStep
 from bloombee.server.pipeline import SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
-from bloombee.server.sessions import Session, SessionRefused, SessionRegistry
+from bloombee.server.memory import SessionRefused
+from bloombee.server.sessions import Session, SessionRegistry
 from bloombee.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class BlockServicer:
         if first is None:
             return
         try:
-            session = self._open_session(first, context.remote_id.to_base58())
+            session = await self._open_session(first, context.remote_id.to_base58())
         except BAD_INPUT as error:
             yield error_envelope(ErrorKind.INVALID, str(error))
             return
@@ -110,7 +110,8 @@ class BlockServicer:
         pump = asyncio.create_task(self._pump(requests, session))
         pipeline = SessionPipeline(self, session)
         try:
-            yield pack(Message(kind=MessageKind.OPENED, info={"cache_tokens_left": self.registry.budget.tokens_left}))
+            yield pack(Message(kind=MessageKind.OPENED, info={"device_free_bytes": self.registry.budget.free.device,
+                                                                 "host_free_bytes": self.registry.budget.free.host}))
             async for response in pipeline.responses():
                 yield response
         finally:
@@ -118,7 +119,7 @@ class BlockServicer:
             await self._close_push(session)
             self.registry.remove(session)
 
-    def _open_session(self, envelope: Envelope, client_peer: str) -> Session:
+    async def _open_session(self, envelope: Envelope, client_peer: str) -> Session:
         message = Message.model_validate_json(envelope.metadata)
         request: OpenSession | None = message.open
         if message.kind != MessageKind.OPEN or request is None:
@@ -128,29 +129,19 @@ class BlockServicer:
             raise SessionRefused(f"batch size {request.batch_size} is over this server's limit of {self.settings.max_batch_size}")
         if request.max_length > self.settings.max_length:
             raise SessionRefused(f"max_length {request.max_length} is over this server's limit of {self.settings.max_length}")
-        tokens = request.batch_size * request.max_length
-        self.registry.budget.reserve(tokens)
+        need = self.backend.session_bytes(request.start_block, request.end_block, request.batch_size, request.max_length)
+        await self.registry.budget.reserve(need, self.settings.alloc_timeout)
         try:
-            session = Session(
-                session_id=request.session_id,
-                start_block=request.start_block,
-                end_block=request.end_block,
-                batch_size=request.batch_size,
-                max_length=request.max_length,
-                caches=self.backend.new_caches(request.start_block, request.end_block, request.batch_size, request.max_length),
-                token_mask=torch.zeros(request.batch_size, request.max_length, dtype=torch.bool),
-                output_history=torch.zeros(request.batch_size, request.max_length, self.backend.hidden_size, dtype=self.backend.dtype),
-                reply_codecs=request.codecs,
-                client_peer=client_peer,
-                client_bandwidth=request.link_bandwidth,
-                compression=request.compression,
-            )
+            session = self.backend.new_session(
+                request.session_id, request.start_block, request.end_block, request.batch_size, request.max_length,
+                reply_codecs=request.codecs, client_peer=client_peer, client_bandwidth=request.link_bandwidth,
+                compression=request.compression)
             self.registry.add(session)
         except BaseException:
-            self.registry.budget.release(tokens)
+            self.registry.budget.release(need)
             raise
-        logger.info("Opened session %s: blocks [%d, %d), batch %d, max_length %d", session.session_id,
-                    session.start_block, session.end_block, session.batch_size, session.max_length)
+        logger.info("Opened session %s: blocks [%d, %d), batch %d, max_length %d, holding %s", session.session_id,
+                    session.start_block, session.end_block, session.batch_size, session.max_length, need)
         return session
 
     @staticmethod

@@ -15,12 +15,14 @@ import bloombee
 from bloombee import codec
 from bloombee.dht.records import ModelEntry, ServerRecord, ServerState, announce, announce_model, fetch_records
 from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
+from bloombee.planner.costs import offload_fraction
 from bloombee.protocol import PROTOCOL_FEATURES
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
 from bloombee.server.profile import cached_profile, measure_profile
-from bloombee.server.sessions import CacheBudget, SessionRegistry
+from bloombee.server.memory import CUDA_RESERVED, MemoryBudget, default_budgets, format_bytes
+from bloombee.server.sessions import SessionRegistry
 from bloombee.server.throughput import cached_block_throughput
 from bloombee.settings import ServerSettings
 
@@ -41,7 +43,8 @@ class Server:
 
     def __init__(self, model: str, dht: hivemind.DHT, blocks: BlockChoice, settings: ServerSettings,
                  device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6,
-                 profile: bool = True, profile_path: str | None = None, planned: tuple[int, int] | None = None):
+                 profile: bool = True, profile_path: str | None = None, planned: tuple[int, int] | None = None,
+                 planned_offload: float | None = None):
         self.model_path = resolve_model(model)
         self.config = load_model_config(self.model_path)
         self.model_name, self.prefix = model, dht_prefix(model)
@@ -50,11 +53,12 @@ class Server:
         self.device, self.dtype_name = torch.device(device), dtype
         self.public_name, self.link_bandwidth = public_name, link_bandwidth
         self.planned = planned  # (B, M) of the plan this server follows
-        self.budget = CacheBudget(settings.cache_tokens)
-        self.registry = SessionRegistry(self.budget)
+        self.planned_offload = planned_offload  # that plan's alpha for this node
+        self.memory = default_budgets(self.device, settings.device_memory, settings.host_memory)
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
         self.backend = self._load(*self._initial_range())
+        self.registry = SessionRegistry(self._session_budget())
         self.profile = self._profile(Path(profile_path) if profile_path else None) if profile or profile_path else None
         self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth)
 
@@ -74,32 +78,50 @@ class Server:
         dtype = self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
         stack = load_block_stack(self.model_path, start, end, dtype=dtype, device=self.device)
         backend = BlockBackend(stack, self.device, next(stack.parameters()).dtype)
+        backend.offload = self._offload(backend)
         key = f"{self.prefix}|{start}:{end}|{self.device.type}|{backend.dtype}"
         self.throughput = cached_block_throughput(backend, key)
-        logger.info("Loaded blocks [%d, %d) of %s on %s as %s", start, end, self.model_path, self.device, backend.dtype)
+        logger.info("Loaded blocks [%d, %d) of %s on %s as %s, %.0f%% of the KV cache in host memory", start, end,
+                    self.model_path, self.device, backend.dtype, 100 * backend.offload)
         return backend
+
+    def _room_for_sessions(self, backend: BlockBackend) -> int:
+        """Device bytes left for sessions once the weights (and on CUDA its context and workspace) are in."""
+        weights = sum(p.numel() * p.element_size() for p in backend.stack.parameters())
+        room = self.memory[0] - weights - (CUDA_RESERVED if self.device.type == "cuda" else 0)
+        if room <= 0:
+            raise ValueError(f"blocks [{backend.start}, {backend.end}) take {format_bytes(weights)} of weights, more "
+                             f"than --device-memory {format_bytes(self.memory[0])} leaves room for; serve fewer blocks "
+                             f"or give more device memory")
+        return room
+
+    def _offload(self, backend: BlockBackend) -> float:
+        """--offload, else the plan's alpha, else the planner's rule: the smallest fraction of the KV cache of
+        --cache-tokens tokens that leaves the rest room on the device."""
+        if self.settings.offload != "auto":
+            return float(self.settings.offload)
+        if self.planned_offload is not None:
+            return self.planned_offload
+        full = backend.session_bytes(backend.start, backend.end, 1, self.settings.cache_tokens, offload=0.0)
+        kv_heads = backend.stack.block_configs[0].num_kv_heads
+        return float(offload_fraction(self._room_for_sessions(backend), full.device, kv_heads))
+
+    def _session_budget(self) -> MemoryBudget:
+        return MemoryBudget(self._room_for_sessions(self.backend), self.memory[1], self.device.type)
 
     def _profile(self, path: Path | None) -> dict:
         """This server's planner node (measured once per model, range, device and dtype, then cached), for the DHT
         record; written to `path` (YAML) when given."""
         name = self.public_name or self.dht.peer_id.to_base58()
         key = f"{self.prefix}|{self.backend.start}:{self.backend.end}|{self.device.type}|{self.backend.dtype}"
-        node = cached_profile(key, lambda: measure_profile(self.backend, self._cpu_backend()), name,
-                              self.link_bandwidth * 8 / 1e6, self.device)
+        node = cached_profile(key, lambda: measure_profile(self.backend), name, self.link_bandwidth * 8 / 1e6,
+                              self.device, self.memory)
         if path is None:
             return node
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump({"nodes": [node]}, sort_keys=False))
         logger.info("Wrote the planner profile of this server to %s", path)
         return node
-
-    def _cpu_backend(self) -> BlockBackend | None:
-        """One block on the CPU, to time attention over a KV cache kept in host memory (None when already on the CPU)."""
-        if self.device.type == "cpu":
-            return None
-        start = self.backend.start
-        cpu_stack = load_block_stack(self.model_path, start, start + 1, dtype=torch.float32, device="cpu")
-        return BlockBackend(cpu_stack, torch.device("cpu"), torch.float32)
 
     def record(self) -> ServerRecord:
         return ServerRecord(
@@ -108,7 +130,12 @@ class Server:
             end_block=self.backend.end,
             throughput=self.throughput,
             link_bandwidth=self.link_bandwidth,
-            cache_tokens_left=self.budget.tokens_left,
+            cache_tokens_left=self._tokens_left(),
+            offload=self.backend.offload,
+            device_memory_bytes=self.registry.budget.total.device,
+            host_memory_bytes=self.registry.budget.total.host,
+            device_free_bytes=self.registry.budget.free.device,
+            host_free_bytes=self.registry.budget.free.host,
             dtype=str(self.backend.dtype).removeprefix("torch."),
             device=self.device.type,
             version=bloombee.__version__,
@@ -121,6 +148,12 @@ class Server:
             planned_batch_size=self.planned[0] if self.planned else None,
             planned_micro_batches=self.planned[1] if self.planned else None,
         )
+
+    def _tokens_left(self) -> int:
+        """Batch x length tokens of a session over all hosted blocks that still fit in the free memory."""
+        one = self.backend.session_bytes(self.backend.start, self.backend.end, 1, 1)
+        free = self.registry.budget.free
+        return int(min(free.device // one.device if one.device else free.host // one.host, free.host // one.host))
 
     def info(self) -> dict:
         return {**self.record().model_dump(mode="json"), "peer_id": self.dht.peer_id.to_base58(),
@@ -193,5 +226,6 @@ class Server:
         self.state = ServerState.OFFLINE
         self._announce()
         self.backend = self.servicer.backend = self._load(start, start + num_blocks)
+        self.registry.budget = self._session_budget()
         self.state = ServerState.ONLINE
         self._announce()

@@ -1,8 +1,8 @@
-"""Inference sessions held by a server: their KV caches, token masks, output history, and the cache budget."""
+"""Inference sessions held by a server: their KV caches, token masks and output history, and what they hold of
+the memory budget."""
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,41 +10,12 @@ from typing import Any
 import torch
 
 from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.offload import OffloadedKVCache
+from bloombee.server.memory import MemoryBudget, SessionBytes, SessionRefused
 
 logger = logging.getLogger(__name__)
 
 INBOX_DEPTH = 4  # messages a session holds before the streams feeding it (client, previous server) wait
-
-
-class SessionRefused(Exception):
-    """The server cannot open this session (a limit or the cache budget); the message says which."""
-
-
-class CacheBudget:
-    """Counts KV-cache tokens (batch x length) handed to sessions against the server's budget."""
-
-    def __init__(self, total_tokens: int):
-        self.total_tokens = total_tokens
-        self._used = 0
-        self._lock = threading.Lock()
-
-    @property
-    def tokens_left(self) -> int:
-        return self.total_tokens - self._used
-
-    def reserve(self, tokens: int) -> None:
-        with self._lock:
-            if tokens > self.total_tokens - self._used:
-                raise SessionRefused(
-                    f"the server's KV cache has room for {self.total_tokens - self._used} more tokens "
-                    f"(batch x max_length) but the session asks for {tokens}; ask for a shorter max_length "
-                    f"or smaller batch, or use another server"
-                )
-            self._used += tokens
-
-    def release(self, tokens: int) -> None:
-        with self._lock:
-            self._used -= tokens
 
 
 @dataclass
@@ -56,7 +27,7 @@ class Session:
     end_block: int
     batch_size: int
     max_length: int
-    caches: list[KVCache]
+    caches: list[KVCache | OffloadedKVCache]
     token_mask: torch.Tensor  # [batch, max_length] bool: which written slots hold real tokens
     output_history: torch.Tensor  # [batch, max_length, hidden] on the host: what this server sent on
     reply_codecs: tuple[str, ...] = ()  # codec layouts the client accepts
@@ -66,16 +37,22 @@ class Session:
     push_channel: Any = None  # the PushChannel to the next server, opened on the first push
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_DEPTH))  # bounded: back-pressure
     last_active: float = field(default_factory=time.monotonic)
+    held: SessionBytes = SessionBytes()  # what the session holds of the server's memory budget
 
-    @property
-    def tokens(self) -> int:
-        return self.batch_size * self.max_length
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the session's tensors by device type: what `held` accounts for."""
+        total: dict[str, int] = {}
+        for part in [cache.nbytes() for cache in self.caches] + [{t.device.type: t.nbytes} for t in
+                                                                 (self.token_mask, self.output_history)]:
+            for kind, size in part.items():
+                total[kind] = total.get(kind, 0) + size
+        return total
 
 
 class SessionRegistry:
     """Open sessions by id, so that pushes from other servers find their session."""
 
-    def __init__(self, budget: CacheBudget):
+    def __init__(self, budget: MemoryBudget):
         self.budget = budget
         self._sessions: dict[str, Session] = {}
 
@@ -92,5 +69,5 @@ class SessionRegistry:
 
     def remove(self, session: Session) -> None:
         if self._sessions.pop(session.session_id, None) is not None:
-            self.budget.release(session.tokens)
-            logger.info("Closed session %s, %d cache tokens left", session.session_id, self.budget.tokens_left)
+            self.budget.release(session.held)
+            logger.info("Closed session %s; free: %s", session.session_id, self.budget.free)

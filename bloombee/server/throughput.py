@@ -9,7 +9,6 @@ import torch
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
 from bloombee.server.measure_cache import CACHE_DIR, cached
-from bloombee.server.sessions import Session
 
 logger = logging.getLogger(__name__)
 
@@ -17,17 +16,7 @@ logger = logging.getLogger(__name__)
 def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
     """Decode steps per second through one block at batch 1 (total steps x blocks / seconds)."""
     num_blocks = backend.end - backend.start
-    max_length = steps + 1
-    session = Session(
-        session_id="throughput-probe",
-        start_block=backend.start,
-        end_block=backend.end,
-        batch_size=1,
-        max_length=max_length,
-        caches=backend.new_caches(backend.start, backend.end, 1, max_length),
-        token_mask=torch.zeros(1, max_length, dtype=torch.bool),
-        output_history=torch.zeros(1, max_length, backend.hidden_size, dtype=backend.dtype),
-    )
+    session = backend.new_session("throughput-probe", backend.start, backend.end, 1, steps + 1)
     hidden = torch.randn(1, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
     backend.step(session, hidden, 0, 0, None, None)  # warm-up
     began = time.perf_counter()

@@ -9,6 +9,7 @@ from torch import nn
 from bloombee.models.core.config import BlockConfig
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.masks import causal_mask, sliding_window_mask
+from bloombee.models.core.offload import OffloadedKVCache
 from bloombee.models.core.norms import RMSNorm
 from bloombee.models.core.rotary import apply_rotary
 
@@ -35,7 +36,7 @@ class _AttentionBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: KVCache | None, cache_positions: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | OffloadedKVCache | None, cache_positions: torch.Tensor, mask: torch.Tensor | None,
                 batch_offset: int = 0) -> torch.Tensor:
         b, T, _ = x.shape
         q, k, v = self.project(x)
@@ -43,19 +44,26 @@ class _AttentionBase(nn.Module):
             q, k = apply_rotary(q, k, cos, sin)
         if cache is not None:
             length = mask.shape[-1] if mask is not None else int(cache_positions.max()) + 1
-            k, v = cache.update(cache_positions, k, v, batch_offset, length)
             key_slots = torch.arange(length, device=x.device)
+            if mask is None:
+                mask = causal_mask(cache_positions, length)
         else:
             key_slots = cache_positions
-        if mask is None:
-            mask = causal_mask(cache_positions, k.shape[2]) if cache is not None else \
-                torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]
+            if mask is None:
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]
         if self.sliding_window is not None:
             mask = mask & sliding_window_mask(cache_positions, key_slots, self.sliding_window)
-        n_rep = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
-                                             attn_mask=mask[:, None], scale=self.scale)
+        if cache is not None:
+            out = cache.attend(q, k, v, cache_positions, batch_offset, mask, self.attend)
+        else:
+            out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [b, h, T, d] over k, v [b, kv, S, d] (each KV head serving its group of query heads)."""
+        n_rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask[:, None],
+                                              scale=self.scale)
 
 
 class Attention(_AttentionBase):

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v, mask) -> out
 
 
 class KVCache:
     """Keys and values of one block for a whole batch: tensors ``[batch, kv_heads, max_length, head_dim]``.
 
     ``update`` writes the new keys/values of rows ``[batch_offset, batch_offset + b)`` at
-    ``cache_positions`` and returns those rows' readable prefix, slots ``[0, length)``.
-    Subclasses (e.g. a host-offloading variant) keep the same two methods.
+    ``cache_positions`` and returns those rows' readable prefix, slots ``[0, length)``; ``attend``
+    does that and runs the attention over the prefix.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", pin_memory: bool = False):
         shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
     @property
     def batch_size(self) -> int:
@@ -26,6 +30,10 @@ class KVCache:
     @property
     def max_length(self) -> int:
         return self.k.shape[2]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by device type ('cpu', 'cuda', ...)."""
+        return {self.k.device.type: self.k.nbytes + self.v.nbytes}
 
     def update(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch_offset: int = 0, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,3 +51,9 @@ class KVCache:
         self.k[rows].index_copy_(2, cache_positions, k.to(self.k.dtype))
         self.v[rows].index_copy_(2, cache_positions, v.to(self.v.dtype))
         return self.k[rows, :, :length], self.v[rows, :, :length]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_positions: torch.Tensor,
+               batch_offset: int, mask: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Write ``k, v`` and attend ``q`` ``[b, heads, T, d]`` over slots [0, mask.shape[-1]) under ``mask`` [b, T, S]."""
+        keys, values = self.update(cache_positions, k, v, batch_offset, mask.shape[-1])
+        return attention(q, keys, values, mask)

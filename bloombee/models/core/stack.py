@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.offload import OffloadedKVCache, host_kv_heads
 from bloombee.models.core.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
 
 class BlockStack(nn.Module):
     """Blocks [start, end) of one model of ``family``."""
-
-    cache_class = KVCache
 
     def __init__(self, family: Family, config, start: int, end: int):
         super().__init__()
@@ -58,15 +57,16 @@ class BlockStack(nn.Module):
         return first - self.start, last - self.start
 
     def new_caches(self, batch_size: int, max_length: int, block_range: tuple[int, int] | None = None,
-                   cache_class: type | None = None) -> list[KVCache]:
-        """One empty KV cache per block (of ``block_range``, default all), on the stack's device and dtype.
-
-        ``cache_class`` (default ``self.cache_class``, i.e. KVCache) lets a variant, e.g. one keeping part of
-        the cache in host memory, take its place; it must accept the same constructor and ``update``."""
+                   offload: float = 0.0) -> list[KVCache | OffloadedKVCache]:
+        """One empty KV cache per block (of ``block_range``, default all), on the stack's device and dtype, with
+        the fraction ``offload`` of each block's KV heads (rounded up to whole heads) in host memory."""
         lo, hi = self.local_range(block_range)
-        cls = cache_class or self.cache_class
-        return [cls(batch_size, cfg.num_kv_heads, max_length, cfg.head_dim, self.dtype, self.device)
-                for cfg in self.block_configs[lo:hi]]
+        caches = []
+        for cfg in self.block_configs[lo:hi]:
+            host_heads = host_kv_heads(offload, cfg.num_kv_heads)
+            shape = (batch_size, cfg.num_kv_heads, max_length, cfg.head_dim, self.dtype, self.device)
+            caches.append(OffloadedKVCache(*shape, host_heads) if host_heads else KVCache(*shape))
+        return caches
 
     def forward(self, hidden: torch.Tensor, rope_positions: torch.Tensor, caches: list[KVCache] | None,
                 cache_positions: torch.Tensor, attention_mask: torch.Tensor | None,
