@@ -26,7 +26,7 @@ class ServerSettings(BaseModel):
     offload: Literal["auto"] | float = Field("auto", description="fraction of each block's KV cache kept in host "
                                              "memory, 0..1 (auto: the smallest that fits the blocks and --cache-tokens "
                                              "in --device-memory)")
-    alloc_timeout: float = Field(10.0, ge=0, description="seconds a new session may wait in line for memory before "
+    alloc_timeout: float = Field(5.0, ge=0, description="seconds a new session may wait in line for memory before "
                                  "it is refused")
     session_timeout: float = Field(300.0, gt=0, description="seconds a session may stay idle before its cache is freed")
     push_buffer_bytes: int = Field(32 << 20, ge=1, description="bytes a session may queue for the next server "

@@ -71,3 +71,22 @@ def test_offloaded_cache_reports_the_bytes_of_its_tensors():
     assert cache.on_device.k.shape == (2, 3, 16, 8) and cache.in_host.k.shape == (2, 1, 16, 8)
     tensors = [cache.on_device.k, cache.on_device.v, cache.in_host.k, cache.in_host.v]
     assert cache.nbytes() == {"cpu": sum(t.nbytes for t in tensors)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_on_cuda_offloaded_heads_live_in_pinned_host_memory_and_give_the_same_outputs(dtype, tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama", **FOUR_KV_HEADS)
+    stack, head = load_block_stack(folder, 0, 4, dtype=dtype, device="cuda"), load_client_head(folder)
+    head = head.to("cuda", dtype)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 128, (3, 20), device="cuda")
+    padding = torch.ones(3, 20, dtype=torch.bool, device="cuda")
+    with torch.no_grad():
+        reference, _ = run(stack, head, ids, padding, 0.0, prompt=12)
+        for offload in OFFLOADS:
+            hidden, caches = run(stack, head, ids, padding, offload, prompt=12)
+            assert all(cache.in_host.k.is_pinned() and cache.in_host.k.device.type == "cpu" for cache in caches)
+            assert all(cache.on_device is None or cache.on_device.k.is_cuda for cache in caches)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # the CPU attends the host heads in its own kernels
+            assert (hidden.float() - reference.float()).abs().max() <= tolerance, offload

@@ -1,5 +1,6 @@
-"""Failover is invisible: bloombee-tiny in its own dtype (bfloat16), 600 greedy tokens through 3 servers. A server
-SIGKILLed (first, middle or last) or SIGSTOPped (first or middle) at token 180 changes no token, and the step it stalls
+"""Failover is invisible: bloombee-tiny in its own dtype (bfloat16), 600 greedy tokens through 3 servers, some with half
+their KV cache offloaded to host memory. A server SIGKILLed (first, middle or last) or SIGSTOPped (first or middle) at
+token 180 changes no token, and the step it stalls
 costs a bounded time that does not depend on the 60 s request timeout: a killed server's connection closes (found
 within a second), a frozen middle one leaves the push to it unacknowledged (reported by the server before it after
 --push-timeout), a frozen first one misses the client's step deadline (max(step_timeout_min, 3x the expected step time))."""
@@ -19,6 +20,7 @@ from bloombee.settings import ClientSettings
 
 MODEL = "bloombee-tiny"
 SERVERS = {"a1": "0:3", "a2": "0:3", "a3": "0:3", "b1": "3:5", "b2": "3:5", "b3": "3:5", "c1": "5:8", "c2": "5:8"}
+OFFLOADED = {"a2", "b2", "c2"}  # half of their KV cache (one of two KV heads) in host memory: a replay onto or from them
 PUSH_TIMEOUT = 3.0  # below the client's step deadline (step_timeout_min), so that a frozen middle server is found by the push
 NEW_TOKENS, DISRUPT_AT = 600, 180
 # the detection bound for these tiny steps is max(step_timeout_min, 3 x expected) = step_timeout_min; a recovery then
@@ -34,7 +36,7 @@ def swarm(tmp_path_factory):
     try:
         for name, blocks in SERVERS.items():
             swarm.add_server("--blocks", blocks, "--max-length", "1024", "--push-timeout", str(PUSH_TIMEOUT),
-                             name=name, wait=False)
+                             "--offload", "0.5" if name in OFFLOADED else "0", name=name, wait=False)
         swarm.wait_online(list(SERVERS))
         yield swarm
     finally:

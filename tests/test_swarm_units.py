@@ -42,6 +42,27 @@ def test_missing_blocks_error_names_them_and_suggests_a_server():
         best_chain({"a": record(0, 3), "b": record(5, 7)}, 0, 8, cost(), "m")
 
 
+def test_routing_prefers_replicas_with_room_for_the_session():
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings())
+
+    def replica(free: int) -> ServerRecord:
+        return record(0, 8).model_copy(update={"device_memory_bytes": 1 << 20, "device_free_bytes": free,
+                                               "host_memory_bytes": 1 << 20, "host_free_bytes": 1 << 20,
+                                               "device_bytes_per_token": 64, "host_bytes_per_token": 8})
+
+    servers = {"full": replica(1000), "roomy": replica(1 << 20), "half": replica(1 << 19)}
+
+    def route(tokens: int) -> str:
+        return best_chain(servers, 0, 8, manager.span_cost(tokens))[0].peer_id
+
+    assert route(100) == "roomy"  # 6.4 KB: every replica has room, the emptiest is cheapest
+    del servers["roomy"]
+    assert route(100) == "half"
+    assert route(5_000) == "half"  # 320 KB fit only there
+    del servers["half"]
+    assert route(5_000) == "full"  # no room anywhere: the one that serves the blocks, where the session will wait
+
+
 def test_format_ranges():
     assert format_ranges([1, 2, 3, 7, 9, 10]) == "1..3, 7, 9..10"
 

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--batch", type=positive_int, default=32)
     sweep.add_argument("--prompt-len", type=positive_int, default=16)
     sweep.add_argument("--new-tokens", type=int, default=32, help="tokens generated: 1 prefill step + N-1 decode steps (N >= 2)")
+    sweep.add_argument("--max-length", type=int, default=0,
+                       help="the sessions' max_length, i.e. KV cache length (0: prompt + new tokens)")
     sweep.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up session before each run")
     sweep.add_argument("--envs", default="E1,E2,E3,E4,E5",
                        help=f"comma-separated: {', '.join(presets.PRESETS)}, custom:RATE (e.g. custom:50mbit), matrix:FILE, "
@@ -324,7 +326,8 @@ def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: pre
     qdisc_before = topology.qdisc_stats()
     result = worker.call("run", timeout=args.run_timeout, on_mark=on_mark, allowed=names,
                          settings=client_settings(config, env, nodes, args.request_timeout), batch=args.batch, prompt_len=args.prompt_len,
-                         new_tokens=args.new_tokens, warmup_steps=args.warmup_steps, seed=args.seed)
+                         new_tokens=args.new_tokens, warmup_steps=args.warmup_steps, seed=args.seed,
+                         max_length=args.max_length)
     hops = metrics.hops_of(result["chain"])
     expected = ["client"] + [metrics.node_of(name) for name in names] + ["client"]
     got = [hops[0][0]] + [dst for _, dst in hops]
@@ -371,7 +374,7 @@ def new_record(args, env, config, nodes, topology, rep, names, meta, background)
         "env": env.to_dict(), "config": config.to_dict(), "model": meta["model"], "model_name": meta["model_name"],
         "model_path": meta["model_path"], "dtype": meta.get("dtype_resolved", meta["dtype"]), "ranges": meta["ranges"],
         "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "warmup_steps": args.warmup_steps, "seed": args.seed},
+                     "warmup_steps": args.warmup_steps, "seed": args.seed, "max_length": args.max_length},
         "nodes": nodes, "ips": topology.ips, "shaping": topology.shaping_log, "servers": names, "chain": rep["chain"],
         "hops": rep["hops"], "client_cpu": rep["client_cpu"], "hop_rates_mbps": [env.rate_mbps(src, dst, nodes) for src, dst in rep["hops"]],
         "client_settings": client_settings(config, env, nodes, args.request_timeout), "server_args": config.server_args(),

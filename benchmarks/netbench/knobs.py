@@ -7,11 +7,14 @@ all others off:
 - ``baseline``: everything off;
 - ``all`` (alias ``best``): everything on;
 - ``compression`` (or ``a+b`` for several): just those on;
-- ``name:VALUE`` sets a valued optimisation's setting (``micro_batching:8``, ``micro_batching:auto``);
-  a configuration with an ``auto`` value depends on the links (its nodes advertise their speed);
+- ``name:VALUE`` sets a valued optimisation's setting (``micro_batching:8``, ``micro_batching:auto``,
+  ``offload:0.5``); a configuration with an ``auto`` value depends on the links (its nodes advertise their speed);
 - ``auto``: no flags at all, the product's own defaults (compression ``auto``: the break-even
   rule; micro-batches ``auto``: the planner's model of the chain; both from the link speed each
   node advertises).
+
+A ``passive`` optimisation passes no flag where a configuration does not name it (the product's
+default): ``offload`` only acts under a ``--device-memory`` budget, which sweeps do not set.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class Optimisation:
     client_on: Mapping[str, Any] = field(default_factory=dict)
     client_off: Mapping[str, Any] = field(default_factory=dict)
     value_setting: str | None = None  # the client setting that `name:VALUE` sets (valued optimisations)
+    value_flag: str | None = None  # the server flag that `name:VALUE` sets instead of server_on
+    value_type: type = int
+    passive: bool = False  # not named: no flag at all (the product's default) rather than server_off
 
 
 OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
@@ -37,6 +43,9 @@ OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
                  (), (), {"compression": "on"}, {"compression": "off"}),
     Optimisation("micro_batching", "steps split into micro-batches that pipeline along the chain",
                  (), (), {"micro_batches": 4}, {"micro_batches": 1}, value_setting="micro_batches"),
+    Optimisation("offload", "a share of each block's KV cache in host memory: auto = the planner's smallest alpha that "
+                 "fits --cache-tokens in --device-memory", ("--offload", "auto"), ("--offload", "0"),
+                 value_flag="--offload", value_type=float, passive=True),
 )}
 
 
@@ -56,8 +65,14 @@ class Configuration:
         if self.auto:
             return []
         args: list[str] = []
+        values = dict(self.values)
         for name, opt in OPTIMISATIONS.items():
-            args.extend(opt.server_on if name in self.enabled else opt.server_off)
+            if name in values and opt.value_flag:
+                args.extend((opt.value_flag, str(values[name])))
+            elif name in self.enabled:
+                args.extend(opt.server_on)
+            elif not opt.passive:
+                args.extend(opt.server_off)
         return args
 
     def client_settings(self) -> dict[str, Any]:
@@ -67,7 +82,8 @@ class Configuration:
         for name, opt in OPTIMISATIONS.items():
             settings.update(opt.client_on if name in self.enabled else opt.client_off)
         for name, value in self.values:
-            settings[OPTIMISATIONS[name].value_setting] = value
+            if OPTIMISATIONS[name].value_setting:
+                settings[OPTIMISATIONS[name].value_setting] = value
         return settings
 
     def to_dict(self) -> dict:
@@ -95,14 +111,16 @@ def parse_configuration(text: str) -> Configuration:
 
 
 def _value(name: str, text: str) -> Any:
-    if OPTIMISATIONS[name].value_setting is None:
+    opt = OPTIMISATIONS[name]
+    if opt.value_setting is None and opt.value_flag is None:
         raise ValueError(f"optimisation {name!r} takes no value (got {name}:{text})")
     if text == "auto":
         return text
     try:
-        return int(text)
+        return opt.value_type(text)
     except ValueError:
-        raise ValueError(f"{name}:{text}: the value must be auto or a whole number") from None
+        kind = "a whole number" if opt.value_type is int else "a number"
+        raise ValueError(f"{name}:{text}: the value must be auto or {kind}") from None
 
 
 def parse_configurations(text: str) -> list[Configuration]:

@@ -124,14 +124,14 @@ class Workload:
         return torch.randint(0, self.config.vocab_size, (batch, prompt_len), generator=generator), "random"
 
     def run(self, allowed: list[str], settings: dict[str, Any], batch: int, prompt_len: int, new_tokens: int,
-            warmup_steps: int = 2, seed: int = 0, marks: bool = True) -> dict:
+            warmup_steps: int = 2, seed: int = 0, marks: bool = True, max_length: int = 0) -> dict:
         import torch
 
         from bloombee.client.micro_batching import client_cpu_share
 
         model = self._model(allowed, settings)
         ids, source = self.prompt_ids(batch, prompt_len, seed)
-        max_length = prompt_len + max(new_tokens, warmup_steps + 1)
+        max_length = max(max_length, prompt_len + max(new_tokens, warmup_steps + 1))  # the sessions' KV cache length
         began = time.perf_counter()
         with torch.inference_mode():  # opens connections and push streams, warms the codec policies; a 1-token prompt
             self._generate(model, ids[:, :1], warmup_steps + 1, max_length, None)
@@ -150,7 +150,9 @@ class Workload:
         steps: list[dict] = []
         with model.remote.inference_session(max_length=max_length, batch_size=ids.shape[0]) as session:
             chain = [{"peer_id": span.peer_id, "name": span.record.public_name, "start": span.start, "end": span.end,
-                      "profile": span.record.profile, "dtype": span.record.dtype} for span in session.spans]
+                      "profile": span.record.profile, "dtype": span.record.dtype, "offload": span.record.offload,
+                      "device_memory_bytes": span.record.device_memory_bytes,
+                      "host_memory_bytes": span.record.host_memory_bytes} for span in session.spans]
             tokens = ids
             began = time.perf_counter()
             for index in range(new_tokens):

@@ -16,6 +16,7 @@ from bloombee.settings import ClientSettings
 logger = logging.getLogger(__name__)
 
 ACTIVATION_BYTES_PER_VALUE = 2
+NO_ROOM_SECONDS = 1000.0  # a server without room for the session is taken only where no other serves its blocks
 
 
 class MissingBlocksError(RuntimeError):
@@ -98,21 +99,48 @@ class SequenceManager:
             return {peer_id: record for records in self._records for peer_id, record in records.items()
                     if self.is_usable(peer_id, record)}
 
-    def make_route(self, start: int = 0, end: int | None = None) -> list[Span]:
-        """The chain covering blocks [start, end) with the least estimated step time; refreshes once if needed."""
+    def make_route(self, start: int = 0, end: int | None = None, tokens: int = 0) -> list[Span]:
+        """The chain covering blocks [start, end) with the least estimated step time for a session of `tokens`
+        (batch x max_length) tokens; refreshes once if needed."""
         end = self.num_blocks if end is None else end
         self.update()
+        cost = self.span_cost(tokens)
         try:
-            return best_chain(self.usable_servers(), start, end, self.hop_cost, self.model_name)
+            return best_chain(self.usable_servers(), start, end, cost, self.model_name)
         except MissingBlocksError:
             self.update(force=True)
-            return best_chain(self.usable_servers(), start, end, self.hop_cost, self.model_name)
+            return best_chain(self.usable_servers(), start, end, cost, self.model_name)
+
+    def span_cost(self, tokens: int) -> Callable[[ServerRecord, int], float]:
+        """The cost of a span for a session of `tokens` tokens: its step time and how full it would leave the server."""
+        return lambda record, num_blocks: self.hop_cost(record, num_blocks) + self.memory_cost(record, tokens)
 
     def hop_cost(self, record: ServerRecord, num_blocks: int) -> float:
         """Estimated seconds of one decode step through `num_blocks` blocks of this server, hop included."""
         transfer = self.hidden_size * ACTIVATION_BYTES_PER_VALUE / record.link_bandwidth
         compute = num_blocks / max(record.throughput, 1e-9)
         return self.settings.hop_penalty_seconds + transfer + compute
+
+    def memory_cost(self, record: ServerRecord, tokens: int) -> float:
+        """Seconds added to a server by how full a session of `tokens` tokens would leave it: up to one hop penalty
+        as its memory fills (sessions spread over replicas), NO_ROOM_SECONDS where the session would wait."""
+        need = session_need(record, tokens)
+        if need is None:
+            return 0.0
+        free_device, free_host = record.device_free_bytes - need[0], record.host_free_bytes - need[1]
+        if free_device < 0 or free_host < 0:
+            return NO_ROOM_SECONDS
+        filled = 1.0 - free_device / record.device_memory_bytes if record.device_memory_bytes else 0.0
+        return self.settings.hop_penalty_seconds * filled
+
+
+def session_need(record: ServerRecord, tokens: int) -> tuple[int, int] | None:
+    """(device, host) bytes a session of `tokens` tokens over all of the server's blocks would take, from its
+    announced bytes per token (a span over fewer blocks takes less: counting them all keeps a chain from splitting
+    one server into several spans to squeeze in); None where it announces none."""
+    if not record.device_bytes_per_token and not record.host_bytes_per_token:
+        return None
+    return tokens * record.device_bytes_per_token, tokens * record.host_bytes_per_token
 
 
 def incompatibility(record: ServerRecord) -> str | None:

@@ -185,7 +185,8 @@ class InferenceSession:
         """Route blocks [start, end) and open a session on each server, banning unreachable ones."""
         loop = asyncio.get_running_loop()
         for _ in range(self.settings.max_retries + 1):
-            spans = await loop.run_in_executor(None, self.manager.make_route, start, end)
+            spans = await loop.run_in_executor(None, self.manager.make_route, start, end,
+                                               self.batch_size * self.max_length)
             streams = [SpanStream(span, self._events) for span in spans]
             results = await asyncio.gather(
                 *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.open_timeout,

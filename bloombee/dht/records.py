@@ -33,6 +33,9 @@ class ServerRecord(BaseModel):
     host_memory_bytes: int = Field(0, ge=0, description="host memory for offloaded KV cache and session history")
     device_free_bytes: int = Field(0, ge=0)
     host_free_bytes: int = Field(0, ge=0)
+    device_bytes_per_token: int = Field(0, ge=0, description="device bytes one token of a session over all hosted "
+                                        "blocks takes (its batch x max_length tokens are allocated when it opens)")
+    host_bytes_per_token: int = Field(0, ge=0, description="host bytes of the same: offloaded KV, history, token mask")
     dtype: str
     device: str
     version: str

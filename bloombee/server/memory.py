@@ -116,10 +116,11 @@ class MemoryBudget:
             self._withdraw(need, waiter)
             raise
         if not waiter.done():
+            refusal = SessionRefused(f"the session needs {self._describe(need)} and this server had only "
+                                     f"{self._describe(self.free)} free for {timeout:g} s (--alloc-timeout); try "
+                                     f"again later or use another server")
             self._withdraw(need, waiter)
-            raise SessionRefused(f"the session needs {self._describe(need)} and this server had only "
-                                 f"{self._describe(self.free)} free for {timeout:g} s (--alloc-timeout); try again "
-                                 f"later or use another server")
+            raise refusal
 
     def release(self, amount: SessionBytes) -> None:
         self.used -= amount

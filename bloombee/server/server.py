@@ -21,7 +21,7 @@ from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
 from bloombee.server.profile import cached_profile, measure_profile
-from bloombee.server.memory import CUDA_RESERVED, MemoryBudget, default_budgets, format_bytes
+from bloombee.server.memory import CUDA_RESERVED, MemoryBudget, SessionBytes, default_budgets, format_bytes
 from bloombee.server.sessions import SessionRegistry
 from bloombee.server.throughput import cached_block_throughput
 from bloombee.settings import ServerSettings
@@ -136,6 +136,8 @@ class Server:
             host_memory_bytes=self.registry.budget.total.host,
             device_free_bytes=self.registry.budget.free.device,
             host_free_bytes=self.registry.budget.free.host,
+            device_bytes_per_token=self._token_bytes().device,
+            host_bytes_per_token=self._token_bytes().host,
             dtype=str(self.backend.dtype).removeprefix("torch."),
             device=self.device.type,
             version=bloombee.__version__,
@@ -149,10 +151,13 @@ class Server:
             planned_micro_batches=self.planned[1] if self.planned else None,
         )
 
+    def _token_bytes(self) -> SessionBytes:
+        """What one token of a session over all hosted blocks takes."""
+        return self.backend.session_bytes(self.backend.start, self.backend.end, 1, 1)
+
     def _tokens_left(self) -> int:
         """Batch x length tokens of a session over all hosted blocks that still fit in the free memory."""
-        one = self.backend.session_bytes(self.backend.start, self.backend.end, 1, 1)
-        free = self.registry.budget.free
+        one, free = self._token_bytes(), self.registry.budget.free
         return int(min(free.device // one.device if one.device else free.host // one.host, free.host // one.host))
 
     def info(self) -> dict:
