@@ -275,6 +275,7 @@ def wait_for_server(model, max_length: int, timeout: float) -> None:
         except Exception as error:  # not announced yet
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the loopback server is not usable: {error}") from error
+            logger.info("waiting for the loopback server: %s", error)
             time.sleep(1.0)
 
 

@@ -98,6 +98,16 @@ def test_blocks_past_the_last_block():
     assert_short_error(run("bloombee-server", "--model", MODEL, "--blocks", "4:12", "--new-swarm"), "END is at most 8")
 
 
+def test_memory_sizes_and_budgets_that_cannot_hold_the_weights():
+    assert_short_error(run("bloombee-server", "--model", MODEL, "--new-swarm", "--device-memory", "lots"),
+                       "invalid device_memory", "'lots' is not a memory size; write e.g. 24GiB")
+    assert_short_error(run("bloombee-server", "--model", MODEL, "--new-swarm", "--offload", "2"),
+                       "offload must be auto or a fraction from 0 to 1")
+    assert_short_error(run("bloombee-server", "--model", MODEL, "--new-swarm", "--device-memory", "1MiB",
+                           "--num-threads", "1", "--log-level", "warning"),
+                       "take 10.57 MiB of weights, more than --device-memory 1.00 MiB leaves room for")
+
+
 def test_demo_with_zero_servers():
     assert_short_error(run("bloombee-client", "demo", "--servers", "0"), "--servers", "must be at least 1", status=2)
 

@@ -173,8 +173,9 @@ def user_message(error: Exception) -> str | None:
 
     from bloombee.client.routing import MissingBlocksError
     from bloombee.client.spans import RequestRejected
+    from bloombee.server.memory import WeightsDoNotFit
 
-    if isinstance(error, (MissingBlocksError, RequestRejected)):
+    if isinstance(error, (MissingBlocksError, RequestRejected, WeightsDoNotFit)):
         return str(error)
     if isinstance(error, P2PDaemonError) and "bootstrap" in str(error):
         return ("none of the --initial-peers answered: check that bloombee-dht (or a server) is running at that "

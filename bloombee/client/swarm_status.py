@@ -16,6 +16,7 @@ class ServerStatus(BaseModel):
     end_block: int
     throughput: float
     cache_tokens_left: int
+    offload: float
     link_mbps: float
     version: str
     features: list[str]
@@ -27,7 +28,7 @@ class ServerStatus(BaseModel):
     def of(cls, peer_id: str, record: ServerRecord) -> "ServerStatus":
         return cls(peer_id=peer_id, public_name=record.public_name, state=record.state.value, start_block=record.start_block,
                    end_block=record.end_block, throughput=record.throughput, cache_tokens_left=record.cache_tokens_left,
-                   link_mbps=record.link_bandwidth * 8 / 1e6, version=record.version, features=list(record.features),
+                   offload=record.offload, link_mbps=record.link_bandwidth * 8 / 1e6, version=record.version, features=list(record.features),
                    dtype=record.dtype, device=record.device, problem=incompatibility(record))
 
     @property
@@ -83,12 +84,12 @@ def status_lines(status: ModelStatus) -> list[str]:
     """The status as text for a terminal, one line per server."""
     lines = [f"{status.model} ({status.prefix}): {status.num_blocks} blocks, {len(status.servers)} servers, "
              + (f"full chain: {' -> '.join(status.chain)}" if status.full_chain else "NO full chain")]
-    lines.append(f"  {'server':14} {'blocks':>7}  {'state':8} {'block-steps/s':>13} {'free cache':>10} "
+    lines.append(f"  {'server':14} {'blocks':>7}  {'state':8} {'block-steps/s':>13} {'free cache':>10} {'offload':>7} "
                  f"{'link':>10}  {'version':8} features")
     for server in status.servers:
         note = f"  [skipped: {server.problem}]" if server.problem else ""
         lines.append(f"  {server.label:14} {server.start_block:>3}:{server.end_block:<3}  {server.state:8} "
-                     f"{server.throughput:13.1f} {server.cache_tokens_left:10d} {server.link_mbps:6.0f} Mb/s  "
+                     f"{server.throughput:13.1f} {server.cache_tokens_left:10d} {server.offload:7.2f} {server.link_mbps:6.0f} Mb/s  "
                      f"{server.version:8} {','.join(server.features)}{note}")
     lines.append("  servers per block: " + " ".join(map(str, status.servers_per_block())))
     if status.uncovered:

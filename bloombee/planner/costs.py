@@ -52,7 +52,7 @@ def offload_fraction(free_bytes, kv_bytes, kv_heads: int | None = None):
     with np.errstate(divide="ignore", invalid="ignore"):
         alpha = np.where(kv > 0, np.clip(1.0 - free / kv, 0.0, 1.0), 0.0)
     if kv_heads:
-        alpha = np.minimum(np.ceil(alpha * kv_heads - 1e-9), kv_heads) / kv_heads
+        alpha = np.ceil(np.round(alpha * kv_heads, 9)) / kv_heads  # 2.0000000001 heads are 2
     return alpha
 
 

@@ -21,6 +21,10 @@ HOST_SHARE = 0.8  # of the memory available at start-up, the default host budget
 CUDA_RESERVED = 1 << 30  # device memory left to the CUDA context, the allocator and activations
 
 
+class WeightsDoNotFit(ValueError):
+    """The blocks' weights leave no room for sessions in --device-memory."""
+
+
 class SessionRefused(Exception):
     """The server cannot open this session (a limit or the memory budget); the message says which."""
 

@@ -21,7 +21,14 @@ from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
 from bloombee.server.profile import cached_profile, measure_profile
-from bloombee.server.memory import CUDA_RESERVED, MemoryBudget, SessionBytes, default_budgets, format_bytes
+from bloombee.server.memory import (
+    CUDA_RESERVED,
+    MemoryBudget,
+    SessionBytes,
+    WeightsDoNotFit,
+    default_budgets,
+    format_bytes,
+)
 from bloombee.server.sessions import SessionRegistry
 from bloombee.server.throughput import cached_block_throughput
 from bloombee.settings import ServerSettings
@@ -90,7 +97,7 @@ class Server:
         weights = sum(p.numel() * p.element_size() for p in backend.stack.parameters())
         room = self.memory[0] - weights - (CUDA_RESERVED if self.device.type == "cuda" else 0)
         if room <= 0:
-            raise ValueError(f"blocks [{backend.start}, {backend.end}) take {format_bytes(weights)} of weights, more "
+            raise WeightsDoNotFit(f"blocks [{backend.start}, {backend.end}) take {format_bytes(weights)} of weights, more "
                              f"than --device-memory {format_bytes(self.memory[0])} leaves room for; serve fewer blocks "
                              f"or give more device memory")
         return room

@@ -22,7 +22,7 @@ def host_kv_heads(offload: float, num_kv_heads: int) -> int:
     """KV heads a cache keeps in host memory for an offload fraction: the fraction rounded up to whole heads."""
     if not 0.0 <= offload <= 1.0:
         raise ValueError(f"the offload fraction must be in [0, 1], got {offload}")
-    return math.ceil(offload * num_kv_heads - 1e-9)
+    return math.ceil(round(offload * num_kv_heads, 9))
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
