@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from bloombee.dht.records import fetch_records
+from bloombee.loading import load_block_stack
 from bloombee.planner import NodeSpec
 from bloombee.planner.placement import current_assignment, node_range
 from swarm_support import save_tiny_llama, start_swarm
@@ -31,15 +32,22 @@ def test_current_assignment_needs_one_pipeline():
     assert current_assignment([("a", 0, 4)], 8)[1] == "the servers cover blocks 0:4 of 8"
 
 
+PLAN_BATCH, PLAN_SEQ_LEN = 4, 128
+KV_PER_TOKEN_BLOCK = 2 * 2 * 16 * 4  # (K, V) x 2 KV heads x head_dim 16 x float32
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "plan-llama")
+    weights = sum(p.numel() * p.element_size() for p in load_block_stack(folder, 0, 4).parameters())
+    kv = 4 * PLAN_BATCH * PLAN_SEQ_LEN * KV_PER_TOKEN_BLOCK  # 4 blocks' cache for the planned workload
+    device_memory = weights + kv // 2 + 16 * 1024  # half the cache on the device: 4 blocks need offload
     swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
     profiles = tmp_path_factory.mktemp("profiles")
     try:
         for name, blocks in (("left", "0:4"), ("right", "4:8")):
             swarm.add_server("--blocks", blocks, "--dtype", "float32", "--profile", str(profiles / f"{name}.yaml"),
-                             name=name, wait=False)
+                             "--device-memory", str(device_memory), name=name, wait=False)
         swarm.wait_online(["left", "right"])
         swarm.profiles = profiles
         yield swarm
@@ -56,7 +64,8 @@ def test_profile_is_a_valid_planner_node(swarm):
 
 def test_plan_for_the_live_swarm_and_follow_it(swarm, tmp_path):
     result = subprocess.run([sys.executable, "-m", "bloombee.cli.plan", "--initial-peers", *swarm.initial_peers,
-                             "--model", swarm.model, "--batch-sizes", "1", "4", "--micro-batches", "1", "--json"],
+                             "--model", swarm.model, "--batch-sizes", str(PLAN_BATCH), "--micro-batches", "1",
+                             "--seq-len", str(PLAN_SEQ_LEN), "--dtype", "float32", "--json"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -72,6 +81,7 @@ def test_plan_for_the_live_swarm_and_follow_it(swarm, tmp_path):
                   for record in records.values() if record.public_name == "planned")
     assert (record.planned_batch_size, record.planned_micro_batches) == (
         report["plan"]["batch_size"], report["plan"]["micro_batches"])
+    assert report["plan"]["alphas"][busiest] > 0 and record.offload == report["plan"]["alphas"][busiest]
 
 
 def test_servers_without_a_profile_are_left_out_of_the_plan(swarm):
