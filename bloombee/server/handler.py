@@ -29,6 +29,7 @@ from bloombee.server.pipeline import SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.memory import SessionRefused
 from bloombee.server.sessions import Session, SessionRegistry
+from bloombee.server.throughput import ThroughputMeter
 from bloombee.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ class BlockServicer:
     """Serves one block range; one instance per server process, registered on the server's P2P."""
 
     def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict],
-                 link_bandwidth: float):
+                 link_bandwidth: float, meter: ThroughputMeter):
         self.backend, self.registry, self.settings, self._info = backend, registry, settings, info
+        self.meter = meter  # the announced throughput, refreshed from the steps served
         self.link_bandwidth = link_bandwidth
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")

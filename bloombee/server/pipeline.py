@@ -175,9 +175,9 @@ class SessionPipeline:
             if duplicate:
                 out = self._earlier_output(header, tensors["hidden"])
             else:
-                out = await self.servicer.run_compute(
-                    self.servicer.backend.step, self.session, tensors["hidden"], header.start_position,
-                    header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
+                out = await self.servicer.run_compute(self._timed_step, tensors["hidden"], header.start_position,
+                                                      header.batch_offset, tensors.get("token_mask"),
+                                                      tensors.get("rope_positions"))
                 self._remember(key)
             compute_s = time.perf_counter() - began
         except BAD_INPUT as error:
@@ -194,6 +194,14 @@ class SessionPipeline:
         if header.route:
             sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
         return ComputedStep(header, sent_on, report)
+
+    def _timed_step(self, hidden: torch.Tensor, *step_args) -> torch.Tensor:
+        """The backend's step (in the compute thread), its compute time counted towards the announced throughput."""
+        began = time.perf_counter()
+        out = self.servicer.backend.step(self.session, hidden, *step_args)
+        blocks = self.session.end_block - self.session.start_block
+        self.servicer.meter.observe(hidden.shape[0], hidden.shape[1], blocks, time.perf_counter() - began)
+        return out
 
     def _earlier_output(self, header: StepHeader, hidden: torch.Tensor) -> torch.Tensor:
         """The output this session computed when the step first came (its rows and positions of the history)."""

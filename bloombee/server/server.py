@@ -30,7 +30,7 @@ from bloombee.server.memory import (
     format_bytes,
 )
 from bloombee.server.sessions import SessionRegistry
-from bloombee.server.throughput import cached_block_throughput
+from bloombee.server.throughput import block_throughput_meter
 from bloombee.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class Server:
         self.backend = self._load(*self._initial_range())
         self.registry = SessionRegistry(self._session_budget())
         self.profile = self._profile(Path(profile_path) if profile_path else None) if profile or profile_path else None
-        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth)
+        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth, self.meter)
 
     def _initial_range(self) -> tuple[int, int]:
         if self.blocks.start is not None and self.blocks.end is not None:
@@ -87,7 +87,7 @@ class Server:
         backend = BlockBackend(stack, self.device, next(stack.parameters()).dtype)
         backend.offload = self._offload(backend)
         key = f"{self.prefix}|{start}:{end}|{self.device.type}|{backend.dtype}"
-        self.throughput = cached_block_throughput(backend, key)
+        self.meter = block_throughput_meter(backend, key)
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s, %.0f%% of the KV cache in host memory", start, end,
                     self.model_path, self.device, backend.dtype, 100 * backend.offload)
         return backend
@@ -135,7 +135,7 @@ class Server:
             state=self.state,
             start_block=self.backend.start,
             end_block=self.backend.end,
-            throughput=self.throughput,
+            throughput=self.meter.value,
             link_bandwidth=self.link_bandwidth,
             cache_tokens_left=self._tokens_left(),
             offload=self.backend.offload,
@@ -203,6 +203,7 @@ class Server:
             await self._maintain()
         finally:
             announced = await loop.run_in_executor(None, self._announce_offline)
+            self.meter.save()
             self.servicer.compute.shutdown(wait=False)
             logger.info("Announced offline and stopped" if announced else "Stopped without announcing offline")
 
@@ -230,14 +231,16 @@ class Server:
             return
         records = fetch_records(self.dht, self.prefix, self.total_blocks)
         coverage = block_coverage(records, exclude_peer=self.dht.peer_id.to_base58())
-        start = should_move(coverage, self.backend.start, self.backend.end, self.throughput, self.settings.balance_quality)
+        start = should_move(coverage, self.backend.start, self.backend.end, self.meter.value, self.settings.balance_quality)
         if start is None or len(self.registry):
             return
         num_blocks = self.backend.end - self.backend.start
         logger.info("Moving from blocks [%d, %d) to [%d, %d) to balance the swarm", self.backend.start, self.backend.end, start, start + num_blocks)
         self.state = ServerState.OFFLINE
         self._announce()
+        self.meter.save()
         self.backend = self.servicer.backend = self._load(start, start + num_blocks)
+        self.servicer.meter = self.meter
         self.registry.budget = self._session_budget()
         self.state = ServerState.ONLINE
         self._announce()

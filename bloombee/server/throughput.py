@@ -1,6 +1,8 @@
-"""Measure how fast this server's blocks decode, once per model/range/device/dtype, and cache the figure."""
+"""How fast this server's blocks decode: measured at start (best of a few rounds, cached per model/range/device/dtype)
+and refreshed from the steps it serves."""
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -8,28 +10,65 @@ import torch
 
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
-from bloombee.server.measure_cache import CACHE_DIR, cached
+from bloombee.server.measure_cache import CACHE_DIR, cached, store
 
 logger = logging.getLogger(__name__)
 
+ROUNDS = 3  # the best round counts: a busy moment of the machine slows some rounds, not all
+SERVED_WEIGHT = 0.1  # of each served step in the running estimate
+SERVED_BEFORE_TRUSTED = 8  # served batch-1 decode steps before they replace the start-up figure
+
 
 def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
-    """Decode steps per second through one block at batch 1 (total steps x blocks / seconds)."""
-    num_blocks = backend.end - backend.start
-    session = backend.new_session("throughput-probe", backend.start, backend.end, 1, steps + 1)
+    """Decode steps per second through one block at batch 1: blocks x steps / seconds of the fastest round."""
+    session = backend.new_session("throughput-probe", backend.start, backend.end, 1, ROUNDS * steps + 1)
     hidden = torch.randn(1, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
     backend.step(session, hidden, 0, 0, None, None)  # warm-up
-    began = time.perf_counter()
-    for position in progress(range(1, steps + 1), "measuring throughput", unit="step"):
-        backend.step(session, hidden, position, 0, None, None)
-    if backend.device.type == "cuda":
-        torch.cuda.synchronize(backend.device)
-    elapsed = time.perf_counter() - began
-    return steps * num_blocks / elapsed
+    best = float("inf")
+    positions = iter(range(1, ROUNDS * steps + 1))
+    for _ in progress(range(ROUNDS), "measuring throughput", unit="round"):
+        began = time.perf_counter()
+        for _, position in zip(range(steps), positions):
+            backend.step(session, hidden, position, 0, None, None)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        best = min(best, time.perf_counter() - began)
+    return steps * (backend.end - backend.start) / best
 
 
-def cached_block_throughput(backend: BlockBackend, key: str, cache_path: Path = CACHE_DIR / "throughput.json") -> float:
-    """The measured throughput for `key`, measuring and storing it the first time."""
-    throughput = float(cached(cache_path, key, lambda: measure_block_throughput(backend)))
-    logger.info("Throughput %.1f block-steps/s for %s", throughput, key)
-    return throughput
+class ThroughputMeter:
+    """The announced block-steps/s: the start-up figure until enough batch-1 decode steps were served, then a
+    running average of those steps' compute (so a figure measured under load corrects itself)."""
+
+    def __init__(self, measured: float, cache_key: str, cache_path: Path = CACHE_DIR / "throughput.json"):
+        self.measured, self.cache_key, self.cache_path = measured, cache_key, cache_path
+        self._served: float | None = None
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> float:
+        with self._lock:
+            return self._served if self._count >= SERVED_BEFORE_TRUSTED else self.measured
+
+    def observe(self, rows: int, tokens: int, blocks: int, seconds: float) -> None:
+        """One served step's compute; only batch-1 decode steps (what the figure means) count."""
+        if rows != 1 or tokens != 1 or seconds <= 0:
+            return
+        rate = blocks / seconds
+        with self._lock:
+            self._served = rate if self._served is None else self._served + SERVED_WEIGHT * (rate - self._served)
+            self._count += 1
+
+    def save(self) -> None:
+        """Keep the served figure for the next start (nothing to keep before enough steps were served)."""
+        if self._count >= SERVED_BEFORE_TRUSTED:
+            store(self.cache_path, self.cache_key, self.value)
+            logger.info("Stored the served throughput %.1f block-steps/s for %s", self.value, self.cache_key)
+
+
+def block_throughput_meter(backend: BlockBackend, key: str, cache_path: Path = CACHE_DIR / "throughput.json") -> ThroughputMeter:
+    """The meter of `backend`, starting from the figure cached for `key` (measured the first time)."""
+    measured = float(cached(cache_path, f"{key}|r{ROUNDS}", lambda: measure_block_throughput(backend)))
+    logger.info("Throughput %.1f block-steps/s for %s", measured, key)
+    return ThroughputMeter(measured, f"{key}|r{ROUNDS}", cache_path)
