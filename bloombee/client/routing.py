@@ -58,6 +58,7 @@ class SequenceManager:
         self._updated_at = float("-inf")
         self._bans: dict[str, tuple[float, int]] = {}
         self._incompatible: set[str] = set()  # servers skipped as incompatible, logged once
+        self._held: dict[str, tuple[int, int]] = {}  # bytes this client's sessions took or gave back since the last read
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()  # one DHT read at a time; concurrent callers wait for it and reuse it
 
@@ -70,7 +71,7 @@ class SequenceManager:
                 return
             records = fetch_records(self.dht, self.prefix, self.num_blocks)
             with self._lock:
-                self._records, self._updated_at = records, time.monotonic()
+                self._records, self._updated_at, self._held = records, time.monotonic(), {}
 
     def ban(self, peer_id: str) -> None:
         """Exclude a failing server for ban_base_seconds, doubling on each new failure."""
@@ -95,9 +96,28 @@ class SequenceManager:
         return time.monotonic() >= banned_until
 
     def usable_servers(self) -> dict[str, ServerRecord]:
+        """Usable servers' records, their free bytes net of what this client's sessions took since they were read."""
         with self._lock:
-            return {peer_id: record for records in self._records for peer_id, record in records.items()
-                    if self.is_usable(peer_id, record)}
+            return {peer_id: self._net_of_held(peer_id, record) for records in self._records
+                    for peer_id, record in records.items() if self.is_usable(peer_id, record)}
+
+    def hold(self, spans: list[Span], tokens: int, sign: int = 1) -> None:
+        """Count a session of `tokens` tokens opened (sign 1) or closed (-1) on these spans' servers, so that
+        sessions this client opens before the next read of the records spread over replicas."""
+        with self._lock:
+            for span in spans:
+                need = session_need(span.record, tokens)
+                if need is not None:
+                    device, host = self._held.get(span.peer_id, (0, 0))
+                    self._held[span.peer_id] = (device + sign * need[0], host + sign * need[1])
+
+    def _net_of_held(self, peer_id: str, record: ServerRecord) -> ServerRecord:
+        device, host = self._held.get(peer_id, (0, 0))
+        if not device and not host:
+            return record
+        return record.model_copy(update={
+            "device_free_bytes": min(max(record.device_free_bytes - device, 0), record.device_memory_bytes),
+            "host_free_bytes": min(max(record.host_free_bytes - host, 0), record.host_memory_bytes)})
 
     def make_route(self, start: int = 0, end: int | None = None, tokens: int = 0) -> list[Span]:
         """The chain covering blocks [start, end) with the least estimated step time for a session of `tokens`

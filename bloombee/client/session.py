@@ -160,6 +160,11 @@ class InferenceSession:
         run_sync(self._open())
         return self
 
+    @property
+    def tokens(self) -> int:
+        """The session's size in the servers' caches: batch x max_length tokens."""
+        return self.batch_size * self.max_length
+
     def step(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None, start_position: int | None = None) -> torch.Tensor:
         """Run `hidden` [batch, T, H] at positions [start, start + T) (default: where the last step ended)."""
         return run_sync(self._step(hidden, token_mask, start_position))
@@ -185,14 +190,14 @@ class InferenceSession:
         """Route blocks [start, end) and open a session on each server, banning unreachable ones."""
         loop = asyncio.get_running_loop()
         for _ in range(self.settings.max_retries + 1):
-            spans = await loop.run_in_executor(None, self.manager.make_route, start, end,
-                                               self.batch_size * self.max_length)
+            spans = await loop.run_in_executor(None, self.manager.make_route, start, end, self.tokens)
             streams = [SpanStream(span, self._events) for span in spans]
             results = await asyncio.gather(
                 *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.open_timeout,
                               self.settings.compression)
                   for stream in streams), return_exceptions=True)
             failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
+            self.manager.hold([stream.span for stream, result in zip(streams, results) if result is None], self.tokens)
             if not failed:
                 return streams
             await self._close_streams([stream for stream, result in zip(streams, results) if result is None])
@@ -206,6 +211,7 @@ class InferenceSession:
     async def _close_streams(self, streams: list[SpanStream]) -> None:
         for stream in streams:
             await stream.close()
+        self.manager.hold([stream.span for stream in streams], self.tokens, -1)
 
     def _next_step_id(self) -> int:
         self._step_id += 1

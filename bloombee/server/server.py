@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from bloombee.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+MIN_ANNOUNCE_GAP = 1.0  # seconds between two announcements when sessions come and go
+
 
 @dataclass
 class BlockChoice:
@@ -64,8 +67,9 @@ class Server:
         self.memory = default_budgets(self.device, settings.device_memory, settings.host_memory)
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
+        self._sessions_changed = asyncio.Event()
         self.backend = self._load(*self._initial_range())
-        self.registry = SessionRegistry(self._session_budget())
+        self.registry = SessionRegistry(self._session_budget(), self._sessions_changed.set)
         self.profile = self._profile(Path(profile_path) if profile_path else None) if profile or profile_path else None
         self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth, self.meter)
 
@@ -208,23 +212,34 @@ class Server:
             logger.info("Announced offline and stopped" if announced else "Stopped without announcing offline")
 
     async def _maintain(self) -> None:
-        """Announce every announce_period; look for a better range every rebalance_period when serving no one."""
+        """Announce every announce_period, and sooner when sessions open or close; look for a better range every
+        rebalance_period when serving no one."""
         loop = asyncio.get_running_loop()
-        since_rebalance = 0.0
+        rebalanced_at = time.monotonic()
         while not self._stop.is_set():
+            self._sessions_changed.clear()
             try:
                 await loop.run_in_executor(None, self._announce)
             except TimeoutError:
                 logger.warning("An announcement took over %g s; trying again in %g s",
                                self.settings.announce_timeout, self.settings.announce_period)
-            try:
-                await asyncio.wait_for(self._stop.wait(), timeout=self.settings.announce_period)
-            except asyncio.TimeoutError:
-                pass
-            since_rebalance += self.settings.announce_period
-            if self.blocks.start is None and since_rebalance >= self.settings.rebalance_period:
-                since_rebalance = 0.0
+            await self._until_next_announcement()
+            if self.blocks.start is None and time.monotonic() - rebalanced_at >= self.settings.rebalance_period:
+                rebalanced_at = time.monotonic()
                 await loop.run_in_executor(None, self._maybe_rebalance)
+
+    async def _until_next_announcement(self) -> None:
+        """Wait announce_period, or until the stop or a session's opening or closing (but at least
+        MIN_ANNOUNCE_GAP seconds, so that the free memory clients route on is fresh without flooding the DHT)."""
+        began = time.monotonic()
+        waits = [asyncio.create_task(self._stop.wait()), asyncio.create_task(self._sessions_changed.wait())]
+        await asyncio.wait(waits, timeout=self.settings.announce_period, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        gap = min(MIN_ANNOUNCE_GAP, self.settings.announce_period) - (time.monotonic() - began)
+        if gap > 0 and not self._stop.is_set():
+            await asyncio.sleep(gap)
 
     def _maybe_rebalance(self) -> None:
         if len(self.registry):

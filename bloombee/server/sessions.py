@@ -4,6 +4,7 @@ the memory budget."""
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +53,9 @@ class Session:
 class SessionRegistry:
     """Open sessions by id, so that pushes from other servers find their session."""
 
-    def __init__(self, budget: MemoryBudget):
+    def __init__(self, budget: MemoryBudget, on_change: Callable[[], None] = lambda: None):
         self.budget = budget
+        self.on_change = on_change  # called when a session opens or closes
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -66,8 +68,10 @@ class SessionRegistry:
         if session.session_id in self._sessions:
             raise SessionRefused(f"session id {session.session_id!r} is already open on this server; use a fresh id")
         self._sessions[session.session_id] = session
+        self.on_change()
 
     def remove(self, session: Session) -> None:
         if self._sessions.pop(session.session_id, None) is not None:
             self.budget.release(session.held)
+            self.on_change()
             logger.info("Closed session %s; free: %s", session.session_id, self.budget.free)
