@@ -85,6 +85,7 @@ def test_sessions_within_the_budget_finish_exactly_and_spread_over_the_replicas(
     results = run_sessions(model, inputs, hold_s=0.5)
     local = reference(swarm.model)
     for result, prompt in zip(results, inputs):
+        assert "tokens" in result, result
         assert torch.equal(result["tokens"], local.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))
     names = server_names(model)
     assert sorted(names[result["peers"][0]] for result in results) == ["a1", "a1", "a2", "a2"]

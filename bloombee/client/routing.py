@@ -61,6 +61,7 @@ class SequenceManager:
         self._held: dict[str, tuple[int, int]] = {}  # bytes this client's sessions took or gave back since the last read
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()  # one DHT read at a time; concurrent callers wait for it and reuse it
+        self._route_lock = threading.Lock()  # one route chosen (and held) at a time
 
     def update(self, force: bool = False) -> None:
         """Refresh the records when they are older than update_period (or always when forced)."""
@@ -121,15 +122,21 @@ class SequenceManager:
 
     def make_route(self, start: int = 0, end: int | None = None, tokens: int = 0) -> list[Span]:
         """The chain covering blocks [start, end) with the least estimated step time for a session of `tokens`
-        (batch x max_length) tokens; refreshes once if needed."""
+        (batch x max_length) tokens, held for it until `hold(chain, tokens, -1)`; refreshes once if needed."""
         end = self.num_blocks if end is None else end
         self.update()
-        cost = self.span_cost(tokens)
         try:
-            return best_chain(self.usable_servers(), start, end, cost, self.model_name)
+            return self._route_and_hold(start, end, tokens)
         except MissingBlocksError:
             self.update(force=True)
-            return best_chain(self.usable_servers(), start, end, cost, self.model_name)
+            return self._route_and_hold(start, end, tokens)
+
+    def _route_and_hold(self, start: int, end: int, tokens: int) -> list[Span]:
+        """The best chain, counted as held at once: concurrent sessions of this client see each other's choice."""
+        with self._route_lock:
+            chain = best_chain(self.usable_servers(), start, end, self.span_cost(tokens), self.model_name)
+            self.hold(chain, tokens)
+            return chain
 
     def span_cost(self, tokens: int) -> Callable[[ServerRecord, int], float]:
         """The cost of a span for a session of `tokens` tokens: its step time and how full it would leave the server."""

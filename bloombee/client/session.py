@@ -197,7 +197,7 @@ class InferenceSession:
                               self.settings.compression)
                   for stream in streams), return_exceptions=True)
             failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
-            self.manager.hold([stream.span for stream, result in zip(streams, results) if result is None], self.tokens)
+            self.manager.hold([stream.span for stream, _ in failed], self.tokens, -1)
             if not failed:
                 return streams
             await self._close_streams([stream for stream, result in zip(streams, results) if result is None])
