@@ -204,8 +204,8 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
                         help="multiaddrs to listen on (default: %(default)s, this machine only)")
     parser.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MULTIADDR",
                         help="multiaddrs other peers should dial (default: the listen addresses)")
-    parser.add_argument("--identity-path", default=None, help="private key file: keeps the peer id stable across restarts "
-                        "(default: a new id each start)")
+    parser.add_argument("--identity-path", default=None, help="RSA private key file (created if missing): keeps the peer id "
+                        "stable across restarts and signs this peer's DHT records (default: a new key each start)")
     parser.add_argument("--nat-traversal", action=argparse.BooleanOptionalAction, default=None,
                         help="NAT port mapping, AutoNAT and relays (default: on, always off when binding only to loopback)")
     parser.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")

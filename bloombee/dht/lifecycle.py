@@ -81,6 +81,8 @@ def _signal(pid: int, sig: int) -> None:
 class GuardedDHT(hivemind.DHT):
     """A hivemind DHT whose child process and p2p daemon never outlive the process that started it."""
 
+    owner_subkey: bytes = b""  # the subkey this peer signs its records under (set by bloombee.dht.peers.start_dht)
+
     def run(self) -> None:
         parent = self._parent_pid
         os.setpgid(0, 0)

@@ -2,6 +2,8 @@
 
 import ipaddress
 import logging
+import os
+import tempfile
 from typing import Sequence
 
 import hivemind
@@ -9,6 +11,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from bloombee.dht.addresses import LOOPBACK_MADDRS
 from bloombee.dht.lifecycle import GuardedDHT
+from bloombee.dht.records import RECORD_SCHEMAS
+from bloombee.dht.security import load_identity, owner_subkey, record_validators
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +49,31 @@ def start_dht(
 ) -> hivemind.DHT:
     """Start a DHT peer (see nat_traversal_enabled for NAT traversal); no IPFS bootstrap, no public peers.
 
-    Its child process and p2p daemon end with this process (GuardedDHT). Raises TimeoutError, with both
-    freed, when the peer is not up and joined to `initial_peers` within `connect_timeout` seconds."""
+    Its libp2p identity is an RSA key, from `identity_path` (created there if missing) or fresh, which also
+    signs its records; it runs bloombee's record validators (bloombee.dht.security). Its child process and p2p
+    daemon end with this process (GuardedDHT). Raises TimeoutError, with both freed, when the peer is not up and
+    joined to `initial_peers` within `connect_timeout` seconds."""
+    if identity_path is not None:
+        return _start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path, os.path.isfile(identity_path),
+                          nat_traversal, client_mode, connect_timeout)
+    with tempfile.TemporaryDirectory(prefix="bloombee-identity-") as folder:  # the daemon reads it on start only
+        return _start_dht(initial_peers, host_maddrs, announce_maddrs, os.path.join(folder, "identity.key"), False,
+                          nat_traversal, client_mode, connect_timeout)
+
+
+def _start_dht(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+               identity_path: str, check_identity_free: bool, nat_traversal: bool | None, client_mode: bool,
+               connect_timeout: float) -> hivemind.DHT:
+    """start_dht with the identity at `identity_path`; `check_identity_free`: first make sure no peer uses it."""
     nat = nat_traversal_enabled(host_maddrs, nat_traversal)
+    key = load_identity(identity_path)
     dht = GuardedDHT(
         initial_peers=list(initial_peers),
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,
         identity_path=identity_path,
+        check_if_identity_free=check_identity_free,
+        record_validators=record_validators(key, RECORD_SCHEMAS),
         client_mode=client_mode,
         nat_port_map=nat,
         auto_nat=nat,
@@ -62,6 +83,7 @@ def start_dht(
         ensure_bootstrap_success=bool(initial_peers),
         start=False,
     )
+    dht.owner_subkey = owner_subkey(key)
     try:
         dht.run_in_background(await_ready=True, timeout=connect_timeout)
     except BaseException as error:

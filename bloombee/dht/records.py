@@ -1,12 +1,15 @@
 """The DHT record a server announces for each block it hosts, and reading the swarm's records back."""
 
 import logging
+from collections import Counter
 from enum import Enum
 from typing import Any
 
 import hivemind
 from hivemind.dht.node import DHTNode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bloombee.dht.security import owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +58,25 @@ class ServerRecord(BaseModel):
         return self
 
 
-MODELS_KEY = "bloombee_models"  # the swarm's directory of served models, one subkey per DHT prefix
+MODELS_KEY = "bloombee_models"  # the swarm's directory of served models, one subkey per server (its owner marker)
 
 
 class ModelEntry(BaseModel):
-    """What a server says about the model it serves, under MODELS_KEY with the model's DHT prefix as subkey."""
+    """What a server says about the model it serves."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model: str = Field(min_length=1, description="the name the server was started with: alias, hub id or folder")
     num_blocks: int = Field(gt=0)
+
+
+class ModelListing(ModelEntry):
+    """A ModelEntry as stored under MODELS_KEY, with the server's owner marker as subkey."""
+
+    prefix: str = Field(min_length=1, description="the model's DHT prefix: its block keys are `{prefix}.{block}`")
+
+
+RECORD_SCHEMAS = (ServerRecord, ModelListing)  # what a DHT value may be (bloombee.dht.security)
 
 
 def block_key(prefix: str, block: int) -> str:
@@ -73,35 +85,40 @@ def block_key(prefix: str, block: int) -> str:
 
 def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, expiration_time: float,
              timeout: float | None = None) -> None:
-    """Store the record under every hosted block's key, with this peer's id as the subkey (TimeoutError after
-    `timeout` seconds)."""
+    """Store the record, signed, under every hosted block's key with this peer's owner marker as the subkey
+    (TimeoutError after `timeout` seconds)."""
     keys = [block_key(prefix, block) for block in range(record.start_block, record.end_block)]
-    store = _StoreRecords(keys, dht.peer_id.to_base58(), record.model_dump(mode="json"), expiration_time)
+    store = _StoreRecords(keys, dht.owner_subkey, record.model_dump(mode="json"), expiration_time)
     dht.run_coroutine(store, return_future=True).result(timeout)
 
 
 def announce_model(dht: hivemind.DHT, prefix: str, entry: ModelEntry, expiration_time: float,
                    timeout: float | None = None) -> None:
-    """List the model in the swarm's directory (TimeoutError after `timeout` seconds)."""
-    store = _StoreRecords([MODELS_KEY], prefix, entry.model_dump(mode="json"), expiration_time)
+    """List the model in the swarm's directory, signed, under this peer's owner marker (TimeoutError after
+    `timeout` seconds)."""
+    listing = ModelListing(prefix=prefix, **entry.model_dump())
+    store = _StoreRecords([MODELS_KEY], dht.owner_subkey, listing.model_dump(mode="json"), expiration_time)
     dht.run_coroutine(store, return_future=True).result(timeout)
 
 
 def fetch_models(dht: hivemind.DHT) -> dict[str, ModelEntry]:
-    """The swarm's served models by DHT prefix; malformed entries are logged and skipped."""
-    models = {}
-    for prefix, value in dht.run_coroutine(_GetRecords([MODELS_KEY])).get(MODELS_KEY, {}).items():
+    """The swarm's served models by DHT prefix (where servers disagree on one, what most of them say);
+    malformed entries are logged and skipped."""
+    votes: dict[str, Counter[ModelEntry]] = {}
+    for owner, value in dht.run_coroutine(_GetRecords([MODELS_KEY])).get(MODELS_KEY, {}).items():
         try:
-            models[str(prefix)] = ModelEntry.model_validate(value)
+            listing = ModelListing.model_validate(value)
         except ValidationError as error:
-            logger.warning("Ignoring malformed model entry %s: %s", prefix, error.errors()[0]["msg"])
-    return models
+            logger.warning("Ignoring malformed model entry from %s: %s", owner_peer_id(owner), error.errors()[0]["msg"])
+            continue
+        votes.setdefault(listing.prefix, Counter())[ModelEntry(model=listing.model, num_blocks=listing.num_blocks)] += 1
+    return {prefix: counter.most_common(1)[0][0] for prefix, counter in votes.items()}
 
 
 class _StoreRecords:
     """Picklable coroutine that runs inside the DHT process and stores one record under many keys."""
 
-    def __init__(self, keys: list[str], subkey: str, value: dict[str, Any], expiration_time: float):
+    def __init__(self, keys: list[str], subkey: bytes, value: dict[str, Any], expiration_time: float):
         self.keys, self.subkey, self.value, self.expiration_time = keys, subkey, value, expiration_time
 
     async def __call__(self, dht: hivemind.DHT, node: DHTNode) -> None:
@@ -133,16 +150,18 @@ class _GetRecords:
 
 
 def fetch_records(dht: hivemind.DHT, prefix: str, num_blocks: int) -> list[dict[str, ServerRecord]]:
-    """For each block 0..num_blocks-1, the valid records keyed by peer id; malformed records are skipped."""
+    """For each block 0..num_blocks-1, the valid records keyed by the peer id of the key that signed them (the
+    DHT node has checked signatures, size and schema); malformed records are skipped."""
     keys = [block_key(prefix, block) for block in range(num_blocks)]
     raw = dht.run_coroutine(_GetRecords(keys))
     per_block: list[dict[str, ServerRecord]] = []
     for block, key in enumerate(keys):
         records: dict[str, ServerRecord] = {}
-        for peer_id, value in raw.get(key, {}).items():
+        for owner, value in raw.get(key, {}).items():
+            peer_id = owner_peer_id(owner)  # the DHT node accepts owned subkeys only
             record = parse_record(value, key, peer_id)
             if record is not None and record.start_block <= block < record.end_block:
-                records[str(peer_id)] = record
+                records[peer_id] = record
         per_block.append(records)
     return per_block
 
