@@ -32,7 +32,8 @@ def step_prediction(record: dict, step: dict, context: int) -> dict[str, float] 
     chain = record["chain"]
     if any(span.get("profile") is None for span in chain):
         return None
-    nodes = [{**span["profile"], "name": f"{span['name']}:{span['start']}"} for span in chain]
+    nodes = [{**span["profile"], "name": f"{span['name']}:{span['start']}", "offload": span.get("offload")}
+             for span in chain]
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
     compression = record["client_settings"].get("compression", "auto")
     tokens = step["tokens"]

@@ -75,7 +75,8 @@ class MicroBatchChooser:
                 logger.warning("micro_batches=auto: servers %s announce no planner profile, so steps through them "
                                "are not split", ", ".join(sorted(new)))
             return None
-        nodes = [{**span.record.profile, "name": f"{span.peer_id}:{span.start}"} for span in spans]
+        nodes = [{**span.record.profile, "name": f"{span.peer_id}:{span.start}", "offload": span.record.offload}
+                 for span in spans]
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
                             spans[0].record.dtype, self.compression, client_cpu=client_cpu_share())

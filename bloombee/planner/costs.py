@@ -15,8 +15,10 @@ Memory (per node holding l blocks; bytes):
     workspace WS = reserved + b * workspace_bytes_per_token
     KV        KV = l * B * s * kv_bytes_per_token_per_block      (the whole batch's cache, every M)
     alpha = max(0, 1 - (G - W - WS) / KV)                          (smallest offload that fits,
-                                                                    rounded up to whole KV heads)
-    infeasible if W + WS > G ("GPU memory") or alpha * KV > host  ("host memory")
+                                                                    rounded up to whole KV heads;
+                                                                    a node's fixed `offload` instead)
+    history   HS = B * s * (activation_bytes_per_token + 1)        (output history and token mask, in host memory)
+    infeasible if W + WS > G ("GPU memory") or alpha * KV + HS > host  ("host memory")
 
 Compute (seconds):  T_comp = l * (t_mlp(b) + (1 - alpha) * t_attn_gpu(b) + alpha * t_attn_cpu(b)).
 
@@ -128,6 +130,7 @@ class StepModel:
         static = _static(inputs)
         self.gpu_bytes = static.gpu_bytes
         self.host_bytes = static.host_bytes
+        self.fixed_offload = static.fixed_offload
         self.workspace = static.reserved_bytes + self.b * self.workspace_bytes_token
         # what depends on b only is shared by every (B, M) with the same micro-batch size
         per_b = static.per_b.get(self.b)
@@ -142,6 +145,7 @@ class StepModel:
         self.machine_names = static.names
         # KV bytes of one block for the whole batch at the full context length
         self.kv_block = self.batch_size * self.seq_len * self.kv_bytes_token
+        self.history_bytes = self.batch_size * self.seq_len * (self.activation_bytes + 1)
         self._comp_table: tuple[np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------------------- stages
@@ -157,7 +161,7 @@ class StepModel:
         l = blocks.astype(np.float64).reshape(self.num_nodes, -1)
         col = (slice(None), None)
         weights, kv, free, alpha = self._memory(l)
-        host_used = alpha * kv
+        host_used = self._host_used(l, alpha, kv)
         gpu_used = weights + self.workspace[col] + (1.0 - alpha) * kv
         status = np.full(l.shape, STATUS_OK, dtype=np.int8)
         status[host_used > self.host_bytes[col]] = STATUS_HOST
@@ -177,7 +181,13 @@ class StepModel:
         weights = l * self.weight_bytes
         kv = l * self.kv_block
         free = self.gpu_bytes[col] - self.workspace[col] - weights
-        return weights, kv, free, offload_fraction(free, kv, self.inputs.model.num_key_value_heads)
+        needed = offload_fraction(free, kv, self.inputs.model.num_key_value_heads)
+        return weights, kv, free, np.where(np.isnan(self.fixed_offload[col]), needed, self.fixed_offload[col])
+
+    def _host_used(self, l: np.ndarray, alpha: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """Host bytes of a node holding l blocks: the offloaded KV and, if it holds any, the sessions' output
+        history and token mask (a server keeps both in host memory for failover)."""
+        return alpha * kv + np.where(l > 0, self.history_bytes, 0.0)
 
     def _per_block(self, alpha: np.ndarray) -> np.ndarray:
         """T_comp of one block at offload fraction alpha (MLP on GPU, attention split GPU/CPU)."""
@@ -212,7 +222,8 @@ class StepModel:
             kv = blocks * self.kv_block
             return (
                 f"host memory: the KV cache that does not fit the GPU (alpha={arrays.alpha[node]:.2f} of "
-                f"{kv / GIB:.2f} GiB = {arrays.host_used[node] / GIB:.2f} GiB) exceeds {spec.host_memory_gib:g} GiB"
+                f"{kv / GIB:.2f} GiB) and the sessions' history ({self.history_bytes / GIB:.2f} GiB), "
+                f"{arrays.host_used[node] / GIB:.2f} GiB in all, exceed {spec.host_memory_gib:g} GiB"
             )
         return ""
 
@@ -246,7 +257,7 @@ class StepModel:
         if self._comp_table is None:
             l = np.arange(self.num_blocks + 1, dtype=np.float64)[None, :]
             _, kv, free, alpha = self._memory(l)
-            fits = (free >= 0) & ~(alpha * kv > self.host_bytes[:, None])
+            fits = (free >= 0) & ~(self._host_used(l, alpha, kv) > self.host_bytes[:, None])
             fits[:, 0] = True
             comp = np.where(fits, l * self._per_block(alpha), np.inf)
             comp[:, 0] = 0.0
@@ -269,6 +280,7 @@ class _Static:
     gpu_bytes: np.ndarray
     host_bytes: np.ndarray
     reserved_bytes: np.ndarray
+    fixed_offload: np.ndarray  # a node's fixed offload fraction, nan where the planner chooses it
     bandwidth: np.ndarray  # Mbps, [src, dst], client last
     latency: np.ndarray  # ms
     rate: np.ndarray  # bytes/s
@@ -331,6 +343,7 @@ def _static(inputs: PlanInputs) -> _Static:
         gpu_bytes=np.array([n.gpu_memory_gib * GIB for n in nodes]),
         host_bytes=np.array([n.host_memory_gib * GIB for n in nodes]),
         reserved_bytes=np.array([n.reserved_gib * GIB for n in nodes]),
+        fixed_offload=np.array([np.nan if n.offload is None else n.offload for n in nodes]),
         bandwidth=bandwidth,
         latency=latency,
         rate=rate,
@@ -341,7 +354,8 @@ def _static(inputs: PlanInputs) -> _Static:
         both=both,
         pays=pays,
     )
-    for array in (static.gpu_bytes, static.host_bytes, static.reserved_bytes, bandwidth, latency, rate, static.lat_s):
+    for array in (static.gpu_bytes, static.host_bytes, static.reserved_bytes, static.fixed_offload, bandwidth, latency,
+                  rate, static.lat_s):
         array.setflags(write=False)
     _STATIC_CACHE[key] = (weakref.ref(inputs, lambda _, key=key: _STATIC_CACHE.pop(key, None)), static)
     return static

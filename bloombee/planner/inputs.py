@@ -251,6 +251,8 @@ class NodeSpec(_Strict):
     gpu_memory_gib: float = Field(gt=0)
     host_memory_gib: float = Field(ge=0, description="host memory available to offloaded KV cache")
     reserved_gib: float = Field(1.0, ge=0, description="GPU memory not available to the planner (CUDA context, allocator)")
+    offload: float | None = Field(None, ge=0, le=1, description="the KV fraction this node keeps in host memory when "
+                                  "it is fixed (a running server's); default: the smallest that fits")
     cost: BlockCost
     link: LinkSpec
     compression: CompressionSpec | None = None
