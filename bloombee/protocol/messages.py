@@ -12,8 +12,9 @@ from enum import Enum
 from typing import Any, Literal
 
 import torch
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bloombee import codec
 from bloombee.codec import CompressionPolicy
@@ -53,6 +54,15 @@ class Hop(BaseModel):
     codecs: tuple[str, ...] = ()
     link_bandwidth: float | None = None
     decode_speed: float | None = Field(None, gt=0, description="this server's measured decode speed, raw bytes/s")
+
+    @field_validator("peer_id")
+    @classmethod
+    def _is_peer_id(cls, value: str) -> str:
+        """A base58 multihash, as a server's peer id is (a step is pushed to it)."""
+        digest = PeerID.from_base58(value).to_bytes()  # raises ValueError naming a character that is not base58
+        if len(digest) < 2 or digest[1] != len(digest) - 2:
+            raise ValueError(f"{value[:64]!r} is not a peer id")
+        return value
 
 
 class HopReport(BaseModel):
@@ -164,8 +174,17 @@ def pack(message: Message, tensors: dict[str, torch.Tensor] | None = None,
     return envelope(message, encode_tensors(tensors, policy).frames)
 
 
-def unpack(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> tuple[Message, dict[str, torch.Tensor]]:
-    """Message header and decoded tensors of an envelope; raises ValueError naming what is malformed."""
+def unpack(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse, max_bytes: int = codec.DEFAULT_MAX_BYTES,
+           names: tuple[str, ...] | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
+    """Message header and decoded tensors of an envelope, which may hold at most `max_bytes` of tensors in all and,
+    when `names` is given, only tensors so named; raises ValueError naming what is malformed."""
     message = Message.model_validate_json(envelope.metadata)
-    tensors = {proto.dtype: codec.decode(proto.buffer) for proto in envelope.tensors}
+    tensors = {}
+    for proto in envelope.tensors:
+        if names is not None and proto.dtype not in names:
+            raise ValueError(f"unexpected tensor {proto.dtype[:64]!r}: a {message.kind.value} message carries {list(names)}")
+        if proto.dtype in tensors:
+            raise ValueError(f"tensor {proto.dtype[:64]!r} appears twice in one message")
+        tensors[proto.dtype] = codec.decode(proto.buffer, max_bytes=max_bytes)
+        max_bytes -= tensors[proto.dtype].nbytes
     return message, tensors

@@ -69,6 +69,21 @@ class BlockBackend:
             raise InvalidStep(f"hidden states must have shape [batch, tokens, {self.hidden_size}], got {list(hidden.shape)}")
         if not hidden.is_floating_point():
             raise InvalidStep(f"hidden states must be floating point, got {hidden.dtype}")
+        if 0 in hidden.shape[:2]:
+            raise InvalidStep(f"hidden states must hold at least one row and one token, got {list(hidden.shape)}")
+
+    def check_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+                   token_mask: torch.Tensor | None, rope_positions: torch.Tensor | None) -> None:
+        """Raise InvalidStep unless the step's tensors fit the session's rows and positions (before anything is written)."""
+        self._check_hidden(hidden)
+        batch, num_tokens = hidden.shape[0], hidden.shape[1]
+        if batch_offset + batch > session.batch_size:
+            raise InvalidStep(f"rows [{batch_offset}, {batch_offset + batch}) exceed the session's batch size {session.batch_size}")
+        if start_position + num_tokens > session.max_length:
+            raise InvalidStep(f"positions up to {start_position + num_tokens} exceed the session's max_length {session.max_length}")
+        for name, tensor in (("token_mask", token_mask), ("rope_positions", rope_positions)):
+            if tensor is not None and tuple(tensor.shape) != (batch, num_tokens):
+                raise InvalidStep(f"{name} must have shape {[batch, num_tokens]}, got {list(tensor.shape)}")
 
     @torch.inference_mode()
     def step(
@@ -81,25 +96,14 @@ class BlockBackend:
         rope_positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """Write tokens at slots [start_position, start_position + T) of rows [batch_offset, +b); return outputs."""
-        self._check_hidden(hidden)
+        self.check_step(session, hidden, start_position, batch_offset, token_mask, rope_positions)
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
         end_position = start_position + num_tokens
-        if batch_offset + batch > session.batch_size:
-            raise InvalidStep(f"rows [{batch_offset}, {batch_offset + batch}) exceed the session's batch size {session.batch_size}")
-        if end_position > session.max_length:
-            raise InvalidStep(f"positions up to {end_position} exceed the session's max_length {session.max_length}")
         rows = slice(batch_offset, batch_offset + batch)
-        if token_mask is not None:
-            if tuple(token_mask.shape) != (batch, num_tokens):
-                raise InvalidStep(f"token_mask must have shape {[batch, num_tokens]}, got {list(token_mask.shape)}")
-            session.token_mask[rows, start_position:end_position] = token_mask.to(torch.bool)
-        else:
-            session.token_mask[rows, start_position:end_position] = True
+        session.token_mask[rows, start_position:end_position] = True if token_mask is None else token_mask.to(torch.bool)
         key_padding = session.token_mask[rows, :end_position].to(self.device)
         if rope_positions is None:
             rope_positions = rope_positions_from_padding(key_padding)[:, start_position:end_position]
-        elif tuple(rope_positions.shape) != (batch, num_tokens):
-            raise InvalidStep(f"rope_positions must have shape {[batch, num_tokens]}, got {list(rope_positions.shape)}")
         cache_positions = torch.arange(start_position, end_position, device=self.device)
         mask = causal_mask(cache_positions, end_position, key_padding)
         out = self.stack(hidden.to(self.device, self.dtype), rope_positions.to(self.device, torch.long), session.caches,

@@ -5,10 +5,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
+import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
-from pydantic import ValidationError
 
+from bloombee import codec
 from bloombee.codec import CompressionPolicy
 from bloombee.protocol import (
     EncodedTensors,
@@ -25,7 +26,7 @@ from bloombee.protocol import (
 from bloombee.protocol import envelope as envelope_of
 from bloombee.protocol.service import register_block_service
 from bloombee.server.backend import BAD_INPUT, BlockBackend, InvalidStep
-from bloombee.server.pipeline import SessionPipeline
+from bloombee.server.pipeline import STEP_TENSORS, SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.memory import SessionRefused
 from bloombee.server.sessions import Session, SessionRegistry
@@ -52,22 +53,28 @@ class BlockServicer:
         self.p2p: P2P | None = None
         self.peer_id = ""
         self.sessions_served = 0
+        # the most tensor bytes one request may carry: a [max batch, max length] window of float64 hidden states,
+        # plus its token mask and rope positions
+        self.max_request_bytes = settings.max_batch_size * settings.max_length * 8 * (backend.hidden_size + 2)
 
     async def start(self, p2p: P2P) -> None:
         self.p2p, self.peer_id = p2p, p2p.peer_id.to_base58()
         await register_block_service(p2p, self)
 
     async def rpc_info(self, request: Envelope, context: P2PContext) -> Envelope:
+        try:
+            message = Message.model_validate_json(request.metadata)
+            if message.kind != MessageKind.INFO or request.tensors:
+                raise InvalidStep("an info request is a message of kind 'info' without tensors")
+        except BAD_INPUT as error:
+            return error_envelope(ErrorKind.INVALID, f"malformed info request: {error}")
         return pack(Message(kind=MessageKind.INFO, info=self._info()))
 
     async def rpc_forward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         async for request in requests:
             try:
-                message, tensors = unpack(request)
-                if message.kind != MessageKind.FORWARD or message.start_block is None or message.end_block is None:
-                    raise InvalidStep("a forward request needs kind 'forward', start_block and end_block")
-                if "hidden" not in tensors:
-                    raise InvalidStep("a forward request needs a 'hidden' tensor")
+                message, tensors = unpack(request, self.max_request_bytes, ("hidden", "token_mask"))
+                self._check_forward(message, tensors)
                 out = await self.run_compute(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
                 policy = self._policy(context.remote_id.to_base58(), self.link_bandwidth, message.codecs or ())
                 yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out}, policy)
@@ -77,16 +84,24 @@ class BlockServicer:
                 logger.exception("A forward request failed")
                 yield error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}")
 
+    def _check_forward(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise InvalidStep unless a forward request names its blocks and fits this server's length limits: a row
+        as long as a session's, as many tokens in all as the largest session holds."""
+        if message.kind != MessageKind.FORWARD or message.start_block is None or message.end_block is None:
+            raise InvalidStep("a forward request needs kind 'forward', start_block and end_block")
+        if "hidden" not in tensors:
+            raise InvalidStep("a forward request needs a 'hidden' tensor")
+        shape, max_length = tensors["hidden"].shape, self.settings.max_length
+        if len(shape) == 3 and (shape[1] > max_length or shape[0] * shape[1] > self.settings.max_batch_size * max_length):
+            raise InvalidStep(f"a forward of shape {list(shape)} is over this server's limits: {max_length} tokens a row, "
+                              f"{self.settings.max_batch_size * max_length} in all")
+
     async def rpc_push(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         async for request in requests:
             try:
-                header = Message.model_validate_json(request.metadata).step
-            except ValidationError as error:
-                yield error_envelope(ErrorKind.INVALID, f"malformed push: {error.errors()[0]['msg']}")
-                continue
-            session = self.registry.get(header.session_id) if header is not None else None
-            if session is None:
-                yield error_envelope(ErrorKind.INVALID, "push names no session open on this server")
+                session, header = self._check_push(request)
+            except BAD_INPUT as error:
+                yield error_envelope(ErrorKind.INVALID, f"malformed push: {error}")
                 continue
             try:
                 await asyncio.wait_for(session.inbox.put(request), self.settings.push_timeout)
@@ -95,6 +110,26 @@ class BlockServicer:
                                      f"{self.settings.push_timeout:g} s", header.step_id)
                 continue
             yield pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset))
+
+    def _check_push(self, request: Envelope) -> tuple[Session, StepHeader]:
+        """The session a pushed step goes to and its header, once the header and the frames' headers and checksums fit
+        that session (the pusher hears of a bad push, not the session's client); raises a BAD_INPUT error if not."""
+        message = Message.model_validate_json(request.metadata)
+        header = message.step
+        if message.kind != MessageKind.STEP or header is None:
+            raise InvalidStep("a push is a message of kind 'step' with a step header")
+        session = self.registry.get(header.session_id)
+        if session is None:
+            raise InvalidStep(f"session {header.session_id[:128]!r} is not open on this server")
+        frames = {proto.dtype: codec.inspect(proto.buffer, max_bytes=self.max_request_bytes) for proto in request.tensors}
+        if set(frames) - set(STEP_TENSORS) or len(frames) != len(request.tensors) or "hidden" not in frames:
+            raise InvalidStep(f"a pushed step carries a 'hidden' tensor and maybe {list(STEP_TENSORS[1:])}, each once")
+        if sum(frame.raw_bytes for frame in frames.values()) > self.max_request_bytes:
+            raise InvalidStep(f"a pushed step may carry at most {self.max_request_bytes} bytes of tensors")
+        shaped = {name: torch.empty(frame.shape, dtype=frame.dtype, device="meta") for name, frame in frames.items()}
+        self.backend.check_step(session, shaped["hidden"], header.start_position, header.batch_offset,
+                                shaped.get("token_mask"), shaped.get("rope_positions"))
+        return session, header
 
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         first = await anext(aiter(requests), None)

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 Envelope = runtime_pb2.ExpertRequest
 STAGE_DEPTH = 2  # items waiting between two stages
 REMEMBERED_STEPS = 4096  # (step id, batch offset) keys kept per session to recognise a step that comes again
+STEP_TENSORS = ("hidden", "token_mask", "rope_positions")  # what a step message may carry
 _END = object()
 
 
@@ -134,8 +135,10 @@ class SessionPipeline:
                 return message
             if message.kind != MessageKind.STEP or message.step is None:
                 raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
+            if message.step.session_id != self.session.session_id:
+                raise InvalidStep(f"the step names session {message.step.session_id[:128]!r}, not this stream's session")
             began, decode_at = time.perf_counter(), time.time()
-            _, tensors = await self.servicer.run_codec(unpack, item)
+            _, tensors = await self.servicer.run_codec(unpack, item, self.servicer.max_request_bytes, STEP_TENSORS)
             if "hidden" not in tensors:
                 raise InvalidStep("a step needs a 'hidden' tensor")
             return DecodedStep(message.step, tensors, decode_at, time.perf_counter() - began)
@@ -173,6 +176,8 @@ class SessionPipeline:
         try:
             began, compute_at = time.perf_counter(), time.time()
             if duplicate:
+                self.servicer.backend.check_step(self.session, tensors["hidden"], header.start_position,
+                                                 header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
                 out = self._earlier_output(header, tensors["hidden"])
             else:
                 out = await self.servicer.run_compute(self._timed_step, tensors["hidden"], header.start_position,
