@@ -83,6 +83,12 @@ class ClientSettings(BaseModel):
                                                       "it saves time on that link), on or off")
     micro_batches: Literal["auto"] | int = Field("auto", description="micro-batches per step: auto (the planner's "
                                                  "model of the chain decides) or a count; 1 = off")
+    verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "
+                                      "probability per step, and always at a server's first step in a session, "
+                                      "recompute each span's output on another server holding its blocks and ban "
+                                      "servers that disagree (0 = off)")
+    verify_seed: int | None = Field(None, description="seed of the random choice of verified steps and verifiers "
+                                    "(unset: unseeded)")
 
     @field_validator("micro_batches")
     @classmethod

@@ -63,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, server_class: type | None = None) -> None:
+    """The console script; `server_class` (a subclass of bloombee.server.server.Server) replaces Server, for tests."""
     args = parse_args(build_parser(), argv)
     setup_logging(log_level(args))
-    sys.exit(run_main("bloombee-server", lambda: run(args), log_level(args)))
+    sys.exit(run_main("bloombee-server", lambda: run(args, server_class), log_level(args)))
 
 
 def check_blocks(args: argparse.Namespace) -> None:
@@ -82,7 +83,7 @@ def check_blocks(args: argparse.Namespace) -> None:
                          f"pass --num-blocks {total} or fewer")
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, server_class: type | None = None) -> None:
     import torch
 
     from bloombee.dht.peers import start_dht
@@ -99,12 +100,12 @@ def run(args: argparse.Namespace) -> None:
     dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal,
                     connect_timeout=settings.connect_timeout)
     try:
-        serve(args, settings, dht)
+        serve(args, settings, dht, server_class)
     finally:
         dht.shutdown()
 
 
-def serve(args: argparse.Namespace, settings: ServerSettings, dht) -> None:
+def serve(args: argparse.Namespace, settings: ServerSettings, dht, server_class: type | None = None) -> None:
     """Load the blocks this server is told (or chooses) to serve and serve them until a signal."""
     from bloombee.dht.peers import visible_maddrs
     from bloombee.planner.placement import node_range, plan_schedule
@@ -123,7 +124,7 @@ def serve(args: argparse.Namespace, settings: ServerSettings, dht) -> None:
         start, end = args.blocks or (None, None)
         planned, alpha = None, None
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
-    server = Server(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
+    server = (server_class or Server)(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
                     public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
                     profile=not args.no_profile, profile_path=args.profile, planned=planned,
                     planned_offload=alpha)

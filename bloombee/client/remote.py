@@ -11,11 +11,10 @@ from bloombee.client.loop import run_sync
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager
 from bloombee.client.session import InferenceSession
-from bloombee.client.spans import RequestRejected
-from bloombee.codec import LAYOUTS, CompressionPolicy
-from bloombee.protocol import ErrorKind, Message, MessageKind, pack, unpack
+from bloombee.client.verification import forward_span
+from bloombee.codec import CompressionPolicy
+from bloombee.protocol import Message, MessageKind, pack
 from bloombee.protocol.service import block_service_stub
-from bloombee.protocol.streams import single
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
@@ -70,7 +69,8 @@ class RemoteSequential:
             spans = await loop.run_in_executor(None, self.manager.make_route, position, self.manager.num_blocks)
             for span in spans:
                 try:
-                    hidden = await self._forward_span(span, hidden, token_mask)
+                    hidden = await forward_span(self.p2p, span, hidden, token_mask,
+                                                self.policy_for(span.peer_id, span.record), self.settings.request_timeout)
                     position = span.end
                 except (ConnectionError, OSError, TimeoutError) as error:
                     logger.warning("Forward through %s failed (%r); re-routing", span.peer_id, error)
@@ -79,20 +79,3 @@ class RemoteSequential:
             else:
                 return hidden
         raise RuntimeError(f"forward failed after {self.settings.max_retries + 1} attempts")
-
-    async def _forward_span(self, span, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-        tensors = {"hidden": hidden} if token_mask is None else {"hidden": hidden, "token_mask": token_mask.to(torch.bool)}
-        message = Message(kind=MessageKind.FORWARD, start_block=span.start, end_block=span.end, codecs=LAYOUTS)
-        request = pack(message, tensors, self.policy_for(span.peer_id, span.record))
-        stub = block_service_stub(self.p2p, span.peer_id)
-        responses = await stub.rpc_forward(single(request))
-        reply = await asyncio.wait_for(anext(aiter(responses), None), self.settings.request_timeout)
-        if reply is None:
-            raise ConnectionError(f"server {span.peer_id} closed the forward stream without answering")
-        message, tensors = unpack(reply)
-        if message.kind == MessageKind.ERROR:
-            if message.error_kind == ErrorKind.INVALID:
-                raise RequestRejected(f"server {span.peer_id} rejected the forward: {message.error}")
-            raise ConnectionError(f"server {span.peer_id}: {message.error}")
-        return tensors["hidden"]
-

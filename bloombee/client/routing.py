@@ -83,7 +83,7 @@ class SequenceManager:
         logger.warning("Banned server %s for %.0f s", peer_id, seconds)
 
     def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
-        if record.state != ServerState.ONLINE or peer_id in self.blocked_servers:
+        if record.state != ServerState.ONLINE or {peer_id, record.public_name} & self.blocked_servers:
             return False
         problem = incompatibility(record)
         if problem is not None:

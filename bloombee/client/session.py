@@ -14,6 +14,7 @@ from bloombee.client.deadlines import StepClock
 from bloombee.client.loop import run_sync
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
+from bloombee.client.verification import Untrusted, Verifier
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
 from bloombee.codec.policy import Ewma
 from bloombee.dht.records import ServerRecord
@@ -126,7 +127,9 @@ class InferenceSession:
     server fails (its stream breaks, a push to it fails, or a step outlives its deadline), the spans it
     covered are re-routed to other servers, which are given the history of their inputs (from the
     client, or from the previous server's output history) step by step in the original shapes, so that
-    their caches are rebuilt bit for bit, and the step is retried.
+    their caches are rebuilt bit for bit, and the step is retried. With verify_probability > 0, each span's
+    outputs are also checked against other servers (bloombee.client.verification): at its first step, then at
+    random steps; a span that loses a check is re-routed with every span after it, and the step retried.
     """
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
@@ -149,6 +152,7 @@ class InferenceSession:
         self._own_decode_speed = Ewma(0.2, None)  # raw bytes/s this client decodes replies at
         self._events: asyncio.Queue | None = None
         self._closed = False
+        self.verifier = Verifier(manager, p2p, settings, policy_for)
 
     @property
     def spans(self) -> list[Span]:
@@ -240,14 +244,40 @@ class InferenceSession:
             try:
                 output = await self._run_chain(self.streams, hidden, mask, start, reply=True, parts=parts)
                 self.shapes = record_shape(self.shapes, StepShape(start, num_tokens, tuple(parts)))
+                if self.verifier.enabled:
+                    await self._verify(start + num_tokens, output)
                 self.position = start + num_tokens
                 return output
             except ServerFailed as failure:
                 if attempt == self.settings.max_retries:
                     raise RuntimeError(f"step failed after {attempt + 1} attempts: {failure}") from failure
                 logger.warning("Server %s failed (%s); re-routing its blocks", self.streams[failure.index].span.peer_id, failure)
-                await self._recover(failure.index, start, ban=failure.ban)
+                through = len(self.streams) - 1 if isinstance(failure, Untrusted) else failure.index
+                await self._recover(failure.index, start, ban=failure.ban, through=through)
         raise AssertionError("unreachable")
+
+    async def _verify(self, end: int, output: torch.Tensor) -> None:
+        """Check the spans due at this step, which ended at `end` with `output` (bloombee.client.verification); raise
+        Untrusted for the first one that loses its check: every span after it computed on its outputs."""
+        histories: dict[int, torch.Tensor] = {}
+        for index in [index for index, stream in enumerate(self.streams) if self.verifier.due(stream)]:
+            inputs = self.input_history[:, :end] if index == 0 else await self._history_of(histories, index - 1, end)
+            claimed = await self._history_of(histories, index, end)
+            if index == len(self.streams) - 1:
+                claimed = claimed.clone()
+                claimed[:, end - output.shape[1]:end] = output
+            if not await self.verifier.check(self.streams[index], inputs, claimed, self.mask_history[:, :end]):
+                span = self.streams[index].span
+                raise Untrusted(index, f"its outputs for blocks [{span.start}, {span.end}) lost a verification")
+
+    async def _history_of(self, histories: dict[int, torch.Tensor], index: int, end: int) -> torch.Tensor:
+        """Span `index`'s output history over [0, end), fetched once per step."""
+        if index not in histories:
+            try:
+                histories[index] = await self._fetch_history(self.streams[index], end)
+            except ServerFailed as error:
+                raise ServerFailed(index, str(error), error.ban) from error
+        return histories[index]
 
     async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool,
                          parts: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
@@ -403,15 +433,16 @@ class InferenceSession:
             raise ServerFailed(failed, message.error or "push failed")
         raise ServerFailed(index, f"server {name}: {message.error}", ban=message.error_kind != ErrorKind.EXPIRED)
 
-    async def _recover(self, failed: int, history_end: int, ban: bool = True) -> None:
-        """Replace the failed span (and earlier ones whose history is lost) and rebuild their caches."""
+    async def _recover(self, failed: int, history_end: int, ban: bool = True, through: int | None = None) -> None:
+        """Replace the failed span (through span `through`, default itself, and earlier ones whose history is lost)
+        and rebuild their caches."""
         self.recoveries += 1
         if ban:
             self.manager.ban(self.streams[failed].span.peer_id)
-        first = failed
+        first, last = failed, failed if through is None else through
         while True:
-            start_block, end_block = self.streams[first].span.start, self.streams[failed].span.end
-            await self._close_streams(self.streams[first:failed + 1])
+            start_block, end_block = self.streams[first].span.start, self.streams[last].span.end
+            await self._close_streams(self.streams[first:last + 1])
             new_streams = await self._open_route(start_block, end_block)
             if history_end == 0:
                 break
@@ -433,7 +464,7 @@ class InferenceSession:
                 logger.warning("Replay onto new servers failed (%s); routing again", error)
                 self.manager.ban(new_streams[error.index].span.peer_id)
                 await self._close_streams(new_streams)
-        self.streams[first:failed + 1] = new_streams
+        self.streams[first:last + 1] = new_streams
         logger.info("Recovered: chain is now %s", [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in self.streams])
 
     async def _replay(self, chain: list[SpanStream], history: torch.Tensor, end: int) -> None:
