@@ -1,6 +1,6 @@
 """Start a real swarm on this machine: a bootstrap peer and block servers as separate processes.
 
-Used by the demo, the tests and the benchmarks. Every process binds to 127.0.0.1 only.
+Used by the demo, the tests and the benchmarks. Every process binds to 127.0.0.1 only, unless given --host-maddrs.
 """
 
 import contextlib
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class ServerProcess:
     process: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)
+    prefix: list[str] = field(default_factory=list)  # what the command runs under, e.g. `ip netns exec NAMESPACE`
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -63,14 +65,16 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, module: str, args: list[str], log_path: Path) -> subprocess.Popen:
-        log = open(log_path, "w")
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+    def _spawn(self, module: str, args: list[str], log_path: Path, prefix: Sequence[str] = (),
+               mode: str = "w") -> subprocess.Popen:
+        log = open(log_path, mode)
+        return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
                                 env=self.env, start_new_session=True)
 
-    def start_bootstrap(self) -> None:
+    def start_bootstrap(self, *args: str) -> None:
+        """Start `bloombee-dht ARGS` and wait for the addresses it prints."""
         log_path = self.log_dir / "bootstrap.log"
-        self.bootstrap = self._spawn("bloombee.cli.dht", [], log_path)
+        self.bootstrap = self._spawn("bloombee.cli.dht", list(args), log_path)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             found = MADDR.findall(log_path.read_text())
@@ -89,13 +93,16 @@ class LocalSwarm:
             self._dht = start_dht(self.initial_peers, client_mode=True)
         return self._dht
 
-    def add_server(self, *args: str, name: str | None = None, wait: bool = True) -> ServerProcess:
-        """Start `bloombee-server --model MODEL --initial-peers ... ARGS`; wait until it announces itself online."""
+    def add_server(self, *args: str, name: str | None = None, wait: bool = True,
+                   prefix: Sequence[str] = ()) -> ServerProcess:
+        """Start `bloombee-server --model MODEL --initial-peers ... ARGS` (under `prefix`, e.g. `ip netns exec NS`);
+        wait until it announces itself online."""
         name = name or f"server{len(self.servers)}"
         threads = [] if "--num-threads" in args else ["--num-threads", str(self.server_threads)]
         full_args = ["--model", self.model, "--initial-peers", *self.initial_peers, "--public-name", name, *threads, *args]
-        server = ServerProcess(name, self._spawn("bloombee.cli.server", full_args, self.log_dir / f"{name}.log"),
-                               self.log_dir / f"{name}.log", full_args)
+        log_path = self.log_dir / f"{name}.log"
+        process = self._spawn("bloombee.cli.server", full_args, log_path, prefix)
+        server = ServerProcess(name, process, log_path, full_args, list(prefix))
         self.servers.append(server)
         if wait:
             self.wait_online([name])
@@ -124,6 +131,17 @@ class LocalSwarm:
 
     def server(self, name: str) -> ServerProcess:
         return next(server for server in self.servers if server.name == name)
+
+    def restart(self, name: str) -> ServerProcess:
+        """Start a server that has ended again with the same arguments (its peer id too, given --identity-path); its
+        log goes on in the same file. Returns at once: its old records may still read ONLINE."""
+        old = self.server(name)
+        if old.process.poll() is None:
+            raise RuntimeError(f"server {name} is still running")
+        process = self._spawn("bloombee.cli.server", old.args, old.log_path, old.prefix, mode="a")
+        new = ServerProcess(name, process, old.log_path, old.args, old.prefix)
+        self.servers[self.servers.index(old)] = new
+        return new
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal a server and wait for it to end; SIGKILL takes its DHT child and p2p daemon too, like a machine dying."""
