@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import re
 import shlex
 import signal
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="baseline",
                         help="the other optimisations, the same for both chains (baseline: compression and micro-batching off)")
     parser.add_argument("--server-threads", type=int, default=1)
+    parser.add_argument("--probe-model", default="wide:2",
+                        help="the batch-size probe's model: its server holds all of its blocks (wide:2: two blocks of wide)")
     parser.add_argument("--alloc-timeout", type=float, default=0.5, help="--alloc-timeout of the batch-size probes")
     parser.add_argument("--out", default=str(OUT_DIR))
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -218,8 +221,8 @@ def planner_view(record: dict, context: int) -> dict[str, Any]:
 
 
 def start_loopback_server(args, model_path: str, offload: float, log_path: Path) -> tuple[subprocess.Popen, list[str]]:
-    """A 2-block server that starts its own swarm on loopback; its process and its address."""
-    argv = [sys.executable, "-m", "bloombee.cli.server", "--new-swarm", "--model", model_path, "--blocks", "0:2",
+    """A server of all of the model's blocks that starts its own swarm on loopback; its process and its address."""
+    argv = [sys.executable, "-m", "bloombee.cli.server", "--new-swarm", "--model", model_path,
             "--device-memory", args.device_memory, "--host-memory", args.host_memory, "--offload", f"{offload:g}",
             "--alloc-timeout", f"{args.alloc_timeout:g}", "--max-batch-size", "100000", "--max-length",
             str(args.max_length), "--num-threads", str(args.server_threads), "--no-profile",
@@ -279,19 +282,22 @@ def wait_for_server(model, max_length: int, timeout: float) -> None:
             time.sleep(1.0)
 
 
-def batch_table(args, model_path: str) -> list[dict[str, Any]]:
+def batch_table(args) -> list[dict[str, Any]]:
     """The largest batch whose session opens at the budget, per --offload, beside the budget arithmetic."""
     import torch
 
     from bloombee.client import AutoDistributedModel
+    from bloombee.loading import load_model_config
     from bloombee.server.memory import parse_bytes
 
-    backend = meta_backend(model_path, 0, 2)
+    model_path = models.resolve(args.probe_model)[0]
+    blocks = load_model_config(model_path).num_hidden_layers
+    backend = meta_backend(model_path, 0, blocks)
     weights = sum(p.numel() * p.element_size() for p in backend.stack.parameters())
     room, host = parse_bytes(args.device_memory) - weights, parse_bytes(args.host_memory)
     rows = []
     for offload in BATCH_OFFLOADS:
-        one = backend.session_bytes(0, 2, 1, args.max_length, offload=offload)
+        one = backend.session_bytes(0, blocks, 1, args.max_length, offload=offload)
         expected = min(room // one.device if one.device else host // one.host, host // one.host)
         log_path = Path(tempfile.mkstemp(prefix=f"offload-probe-{offload:g}-", suffix=".log")[1])
         popen, peers = start_loopback_server(args, model_path, offload, log_path)
@@ -305,7 +311,8 @@ def batch_table(args, model_path: str) -> list[dict[str, Any]]:
             try:
                 popen.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                popen.kill()
+                logger.warning("the loopback server did not stop on SIGTERM; killing its process group")
+            os.killpg(popen.pid, signal.SIGKILL)  # its DHT child too
         rows.append({"offload": offload, "max_batch": measured, "expected_max_batch": int(expected),
                      "per_row_device_bytes": one.device, "per_row_host_bytes": one.host, "refusal": refusal})
         logger.info("--offload %g: largest batch %d (budget arithmetic %d)", offload, measured, expected)
@@ -347,7 +354,8 @@ def markdown(result: dict) -> str:
                      f"{ratio:.2f}{' (> 20 % off)' if abs(ratio - 1) > 0.2 else ''} |")
     lines += [""] + [f"- {env}: the 2-server chain's decode tokens/s is {speedup:+.1%} against the 3-server chain's"
                      for env, speedup in result["speedup"].items()]
-    lines += ["", f"Largest batch whose session opens on one server of blocks 0:2 at `--device-memory {meta['device_memory']}` "
+    lines += ["", f"Largest batch whose session opens on one server of all blocks of {meta['probe_model']} at "
+              f"`--device-memory {meta['device_memory']}` "
               f"`--host-memory {meta['host_memory']}`, max_length {meta['max_length']}:", "",
               "| --offload | largest batch | budget arithmetic | device / host bytes per row | refusal one above |", "|---|---|---|---|---|"]
     for row in result["batches"]:
@@ -408,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began, started = time.monotonic(), datetime.datetime.now().isoformat(timespec="seconds")
-    batches = batch_table(args, model_path)
+    batches = batch_table(args)
     records = run_chains(args, model_path, model_name, chain_list)
     (out / "runs.json").write_text(json.dumps(report.clean_json(records), indent=1))
     by_key = {chain.key: chain for chain in chain_list}
@@ -423,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                        "benchmarks.offload_bench " + " ".join(shlex.quote(a) for a in argv) + "'",
             "model_name": model_name, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "max_length": args.max_length, "device_memory": args.device_memory, "host_memory": args.host_memory,
-            "config": args.config, "server_threads": args.server_threads, "memory": memory,
+            "config": args.config, "probe_model": args.probe_model, "server_threads": args.server_threads, "memory": memory,
             "chains": [{"key": c.key, "label": c.label, "ranges": c.ranges} for c in chain_list],
             "machine": cli.machine_info(), "started": started,
             "seconds": round(time.monotonic() - began, 1)}

@@ -162,7 +162,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "model_path": model_path, "model_name": model_name, "model_note": model_note,
         "hidden_size": model_config.hidden_size, "num_blocks": model_config.num_hidden_layers, "dtype": args.dtype,
         "ranges": ranges, "server_nodes": server_nodes, "batch": args.batch, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "warmup_steps": args.warmup_steps, "envs": [env.to_dict() for env in envs],
+        "new_tokens": args.new_tokens, "max_length": args.max_length, "warmup_steps": args.warmup_steps, "envs": [env.to_dict() for env in envs],
         "configs": [config.to_dict() for config in configs], "server_threads": server_threads,
         "client_threads": args.client_threads, "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(), "repeats": args.repeats,
