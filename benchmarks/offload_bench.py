@@ -312,7 +312,7 @@ def batch_table(args) -> list[dict[str, Any]]:
                 popen.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 logger.warning("the loopback server did not stop on SIGTERM; killing its process group")
-            os.killpg(popen.pid, signal.SIGKILL)  # its DHT child too
+                os.killpg(popen.pid, signal.SIGKILL)
         rows.append({"offload": offload, "max_batch": measured, "expected_max_batch": int(expected),
                      "per_row_device_bytes": one.device, "per_row_host_bytes": one.host, "refusal": refusal})
         logger.info("--offload %g: largest batch %d (budget arithmetic %d)", offload, measured, expected)
