@@ -3,8 +3,9 @@
 The result is a planner node (`bloombee.planner.NodeSpec`): per-block decode times as functions of
 the micro-batch size, split into what does not depend on the context (projections, MLP, norms:
 the time of a step over a 1-token cache) and attention over a `seq_len`-token cache (the extra time
-of a step over that cache), once with the cache on the server's device and once with it in host
-memory computed by the CPU.
+of the attention alone over that cache), once with the cache on the server's device and once with it
+in host memory attended by the CPU. Each size is timed in several passes over all sizes and the best
+counts, so that a busy moment of the machine spoils one pass, not the figure.
 """
 
 import logging
@@ -26,44 +27,66 @@ logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 MICRO_BATCHES = (1, 4, 16, 64, 256, 1024)
-LONG_CACHE_ROWS = 64  # larger sizes are timed over a 1-token cache only (a long one would take minutes to fill)
-PROFILE_VERSION = 5  # part of the cache key: figures measured by an older method are measured again
+ROUNDS, REPEATS = 3, 2  # every size is timed REPEATS times in each of ROUNDS passes over all sizes; the best counts
+PROFILE_VERSION = 6  # part of the cache key: figures measured by an older method are measured again
 
 
-def _decode_ms(backend: BlockBackend, batch: int, context: int, repeats: int = 5,
-               offload: float = 0.0) -> tuple[float, torch.Tensor]:
-    """Milliseconds of one decode step of one block over a `context`-token cache (best of `repeats`), with the
-    fraction `offload` of its KV cache in host memory."""
-    session = backend.new_session("profile", backend.start, backend.start + 1, batch, context + repeats + 1, offload)
-    prompt = torch.randn(batch, context, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
-    prefill = backend.step(session, prompt, 0, 0, None, None)
+def _best_ms(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+    """Milliseconds of the fastest of `repeats` calls of `run` (device work included)."""
     best = float("inf")
-    for repeat in range(repeats):
+    for _ in range(repeats):
         began = time.perf_counter()
-        backend.step(session, prompt[:, :1], context + repeat, 0, None, None)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - began)
-    return 1e3 * best, prefill
+    return 1e3 * best
 
 
-def _cost_columns(backend: BlockBackend, seq_len: int, offload: float = 0.0) -> tuple[list[float], list[float]]:
-    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens).
+def _decode_ms(backend: BlockBackend, batch: int) -> float:
+    """Milliseconds of one decode step of one block over a 1-token cache: what does not depend on the context."""
+    session = backend.new_session("profile", backend.start, backend.start + 1, batch, REPEATS + 2)
+    token = torch.randn(batch, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    backend.step(session, token, 0, 0, None, None)
+    positions = iter(range(1, REPEATS + 2))
+    return _best_ms(lambda: backend.step(session, token, next(positions), 0, None, None), backend.device)
 
-    Sizes above LONG_CACHE_ROWS (as many rows as a prompt step of a batch carries tokens) are timed
-    without a long cache; their attention time extends the line of the sizes before."""
-    mlp, attention = [], []
-    for index, batch in enumerate(progress(MICRO_BATCHES, "profiling blocks", unit="size")):
-        short, _ = _decode_ms(backend, batch, 1, offload=offload)
-        mlp.append(short)
-        if batch > LONG_CACHE_ROWS:
-            before, last = MICRO_BATCHES[index - 2], MICRO_BATCHES[index - 1]
-            slope = max(attention[-1] - attention[-2], 0.0) / (last - before)
-            attention.append(attention[-1] + slope * (batch - last))
-            continue
-        full, _ = _decode_ms(backend, batch, seq_len, offload=offload)
-        attention.append(max(full - short, 0.0))
+
+def _attention_ms(backend: BlockBackend, batch: int, seq_len: int, offload: float) -> float:
+    """Milliseconds one block's attention of a decode step of `batch` rows takes over a `seq_len`-token cache more
+    than over a 1-token one, with the fraction `offload` of its KV heads in host memory; timed on the attention
+    alone, so that the block's much longer projections and MLP add no noise to it."""
+    cfg, attention = backend.stack.block_configs[0], backend.stack.blocks[0].attn
+    cache = backend.stack.new_caches(batch, seq_len, (backend.start, backend.start + 1), offload)[0]
+    options = {"device": backend.device, "dtype": backend.dtype}
+    q = torch.randn(batch, cfg.num_heads, 1, cfg.head_dim, **options)
+    k, v = (torch.randn(batch, cfg.num_kv_heads, 1, cfg.head_dim, **options) for _ in range(2))
+
+    def attend(length: int) -> float:
+        positions = torch.tensor([length - 1], device=backend.device)
+        mask = torch.ones(batch, 1, length, dtype=torch.bool, device=backend.device)
+        return _best_ms(lambda: cache.attend(q, k, v, positions, 0, mask, attention.attend), backend.device)
+
+    return max(attend(seq_len) - attend(1), 0.0)
+
+
+def _cost_columns(backend: BlockBackend, seq_len: int, offload: float) -> tuple[list[float], list[float]]:
+    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens), each the best of every round."""
+    mlp = [float("inf")] * len(MICRO_BATCHES)
+    attention = [float("inf")] * len(MICRO_BATCHES)
+    sizes = [(round_, index) for round_ in range(ROUNDS) for index in range(len(MICRO_BATCHES))]
+    for _, index in progress(sizes, "profiling blocks", unit="size"):
+        batch = MICRO_BATCHES[index]
+        mlp[index] = min(mlp[index], _decode_ms(backend, batch))
+        attention[index] = min(attention[index], _attention_ms(backend, batch, seq_len, offload))
     return mlp, attention
+
+
+def _prompt_outputs(backend: BlockBackend, batch: int, tokens: int) -> torch.Tensor:
+    """One block's outputs of a prompt step: what the codec sees on the wire."""
+    session = backend.new_session("profile", backend.start, backend.start + 1, batch, tokens)
+    prompt = torch.randn(batch, tokens, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    return backend.step(session, prompt, 0, 0, None, None)
 
 
 def _codec_figures(hidden: torch.Tensor) -> dict:
@@ -96,9 +119,9 @@ def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: 
 def measure_profile(backend: BlockBackend, seq_len: int = 32) -> dict:
     """The planner node of this server but its memory and link: on a GPU, attention is timed twice, with the KV
     cache on the device and with all of it offloaded (in host memory, attended by the CPU)."""
-    mlp, attention_device = _cost_columns(backend, seq_len)
+    mlp, attention_device = _cost_columns(backend, seq_len, 0.0)
     attention_host = attention_device if backend.device.type == "cpu" else _cost_columns(backend, seq_len, 1.0)[1]
-    _, sample = _decode_ms(backend, 16, seq_len, repeats=1)  # a prompt step's outputs: what the codec sees
+    sample = _prompt_outputs(backend, 16, seq_len)
     device_name = torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu"
     node = {
         "gpu": f"{device_name} ({str(backend.dtype).removeprefix('torch.')})",
