@@ -32,7 +32,7 @@ ALLOC_TIMEOUT = 5.0
 
 def device_memory(path: Path) -> int:
     """Weights of four blocks plus room for SESSIONS_PER_SERVER sessions of PROMPT + NEW_TOKENS tokens (and half)."""
-    config, parameters = load_model_config(path), list(load_block_stack(path, 0, 4).parameters())
+    config, parameters = load_model_config(path), list(load_block_stack(path, 0, 4, dtype="auto").parameters())
     weights = sum(p.numel() * p.element_size() for p in parameters)
     head_dim = config.hidden_size // config.num_attention_heads
     session = (PROMPT + NEW_TOKENS) * 4 * 2 * config.num_key_value_heads * head_dim * parameters[0].element_size()
