@@ -191,26 +191,36 @@ class InferenceSession:
         self.streams = await self._open_route(0, self.manager.num_blocks)
 
     async def _open_route(self, start: int, end: int) -> list[SpanStream]:
-        """Route blocks [start, end) and open a session on each server, banning unreachable ones."""
+        """Route blocks [start, end) and open a session on each server, banning unreachable ones. The servers are
+        opened one after another in chain order: sessions that wait for memory then queue at every server in the
+        same order, so two of them never each hold a server the other waits for."""
         loop = asyncio.get_running_loop()
         for _ in range(self.settings.max_retries + 1):
             spans = await loop.run_in_executor(None, self.manager.make_route, start, end, self.tokens)
-            streams = [SpanStream(span, self._events) for span in spans]
-            results = await asyncio.gather(
-                *(stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth, self.settings.open_timeout,
-                              self.settings.compression)
-                  for stream in streams), return_exceptions=True)
-            failed = [(stream, result) for stream, result in zip(streams, results) if isinstance(result, BaseException)]
-            self.manager.hold([stream.span for stream, _ in failed], self.tokens, -1)
-            if not failed:
-                return streams
-            await self._close_streams([stream for stream, result in zip(streams, results) if result is None])
-            for stream, error in failed:
-                if isinstance(error, RequestRejected):
-                    raise error
-                logger.warning("Could not open a session on %s: %r", stream.span.peer_id, error)
-                self.manager.ban(stream.span.peer_id)
+            opened, failure = await self._open_in_order(spans)
+            if failure is None:
+                return opened
+            self.manager.hold(spans[len(opened):], self.tokens, -1)  # the span that failed and those not tried
+            await self._close_streams(opened)
+            stream, error = failure
+            if isinstance(error, RequestRejected):
+                raise error
+            logger.warning("Could not open a session on %s: %r", stream.span.peer_id, error)
+            self.manager.ban(stream.span.peer_id)
         raise RuntimeError(f"could not open sessions for blocks [{start}, {end}) after {self.settings.max_retries + 1} attempts")
+
+    async def _open_in_order(self, spans: list[Span]) -> tuple[list[SpanStream], tuple[SpanStream, Exception] | None]:
+        """The streams opened on `spans` in order, up to the first that failed to open (with its error), if any."""
+        opened = []
+        for span in spans:
+            stream = SpanStream(span, self._events)
+            try:
+                await stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth,
+                                  self.settings.open_timeout, self.settings.compression)
+            except Exception as error:  # refused, unreachable or timed out: the caller decides
+                return opened, (stream, error)
+            opened.append(stream)
+        return opened, None
 
     async def _close_streams(self, streams: list[SpanStream]) -> None:
         for stream in streams:
