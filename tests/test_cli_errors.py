@@ -22,6 +22,12 @@ def run(script: str, *args: str, env: dict | None = None, timeout: float = 180) 
                           env={**os.environ, **(env or {})})
 
 
+def default_sigint() -> None:
+    """In the child: SIGINT as a terminal's Ctrl-C finds it (a suite started in the background ignores SIGINT, and
+    its children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def assert_short_error(result: subprocess.CompletedProcess, *needles: str, status: int = 1) -> str:
     """Exit status `status`, no traceback, at most two lines on stderr (argparse's usage line counts), each needle in it."""
     assert result.returncode == status, result.stdout + result.stderr
@@ -152,7 +158,7 @@ def test_blocks_nobody_serves_are_named(swarm, tmp_path):
 def test_ctrl_c_exits_130_with_one_line(swarm):
     process = subprocess.Popen([str(BIN / "bloombee-client"), "generate", "--model", MODEL, "--prompt", "def f",
                                 "--initial-peers", *swarm.initial_peers, "--max-new-tokens", "50"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     assert process.stdout.read(5) == "def f"  # printed once the model is loaded, just before generating
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)

@@ -117,7 +117,8 @@ def test_two_server_sweep_over_two_environments(model, tmp_path):
 def test_interrupted_sweep_leaves_nothing(model, tmp_path):
     links_before = links_here()
     proc = subprocess.Popen(sweep_command(model, tmp_path / "out"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,  # SIGINT as Ctrl-C finds it, also in a background suite
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     server_ns = f"{netns.PREFIX}{proc.pid}-s1"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:  # wait until a server process runs in its namespace
