@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import platform
 import shlex
 import sys
