@@ -4,11 +4,12 @@ The result is a planner node (`bloombee.planner.NodeSpec`): per-block decode tim
 the micro-batch size, split into what does not depend on the context (projections, MLP, norms:
 the time of a step over a 1-token cache) and attention over a `seq_len`-token cache (the extra time
 of the attention alone over that cache), once with the cache on the server's device and once with it
-in host memory attended by the CPU. Each size is timed in several passes over all sizes and the best
+in host memory attended by the CPU. Each size is timed in several passes over all sizes and the median
 counts, so that a busy moment of the machine spoils one pass, not the figure.
 """
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,32 +28,32 @@ logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 MICRO_BATCHES = (1, 4, 16, 64, 256, 1024)
-ROUNDS, REPEATS = 3, 2  # every size is timed REPEATS times in each of ROUNDS passes over all sizes; the best counts
-PROFILE_VERSION = 6  # part of the cache key: figures measured by an older method are measured again
+ROUNDS, REPEATS = 3, 2  # every size is timed REPEATS times in each of ROUNDS passes over all sizes; the median counts
+PROFILE_VERSION = 7  # part of the cache key: figures measured by an older method are measured again
 
 
-def _best_ms(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
-    """Milliseconds of the fastest of `repeats` calls of `run` (device work included)."""
-    best = float("inf")
+def _times_ms(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> list[float]:
+    """Milliseconds of each of `repeats` calls of `run` (device work included)."""
+    times = []
     for _ in range(repeats):
         began = time.perf_counter()
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - began)
-    return 1e3 * best
+        times.append(1e3 * (time.perf_counter() - began))
+    return times
 
 
-def _decode_ms(backend: BlockBackend, batch: int) -> float:
-    """Milliseconds of one decode step of one block over a 1-token cache: what does not depend on the context."""
+def _decode_ms(backend: BlockBackend, batch: int) -> list[float]:
+    """Milliseconds of decode steps of one block over a 1-token cache: what does not depend on the context."""
     session = backend.new_session("profile", backend.start, backend.start + 1, batch, REPEATS + 2)
     token = torch.randn(batch, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
     backend.step(session, token, 0, 0, None, None)
     positions = iter(range(1, REPEATS + 2))
-    return _best_ms(lambda: backend.step(session, token, next(positions), 0, None, None), backend.device)
+    return _times_ms(lambda: backend.step(session, token, next(positions), 0, None, None), backend.device)
 
 
-def _attention_ms(backend: BlockBackend, batch: int, seq_len: int, offload: float) -> float:
+def _attention_ms(backend: BlockBackend, batch: int, seq_len: int, offload: float) -> list[float]:
     """Milliseconds one block's attention of a decode step of `batch` rows takes over a `seq_len`-token cache more
     than over a 1-token one, with the fraction `offload` of its KV heads in host memory; timed on the attention
     alone, so that the block's much longer projections and MLP add no noise to it."""
@@ -62,24 +63,25 @@ def _attention_ms(backend: BlockBackend, batch: int, seq_len: int, offload: floa
     q = torch.randn(batch, cfg.num_heads, 1, cfg.head_dim, **options)
     k, v = (torch.randn(batch, cfg.num_kv_heads, 1, cfg.head_dim, **options) for _ in range(2))
 
-    def attend(length: int) -> float:
+    def attend(length: int) -> list[float]:
         positions = torch.tensor([length - 1], device=backend.device)
         mask = torch.ones(batch, 1, length, dtype=torch.bool, device=backend.device)
-        return _best_ms(lambda: cache.attend(q, k, v, positions, 0, mask, attention.attend), backend.device)
+        return _times_ms(lambda: cache.attend(q, k, v, positions, 0, mask, attention.attend), backend.device)
 
-    return max(attend(seq_len) - attend(1), 0.0)
+    return [max(long - short, 0.0) for long, short in zip(attend(seq_len), attend(1))]
 
 
 def _cost_columns(backend: BlockBackend, seq_len: int, offload: float) -> tuple[list[float], list[float]]:
-    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens), each the best of every round."""
-    mlp = [float("inf")] * len(MICRO_BATCHES)
-    attention = [float("inf")] * len(MICRO_BATCHES)
+    """Per micro-batch size: (context-free ms, attention ms over seq_len tokens), each the median of its samples
+    over every pass (robust to a busy moment, and the typical time rather than the luckiest)."""
+    mlp: list[list[float]] = [[] for _ in MICRO_BATCHES]
+    attention: list[list[float]] = [[] for _ in MICRO_BATCHES]
     sizes = [(round_, index) for round_ in range(ROUNDS) for index in range(len(MICRO_BATCHES))]
     for _, index in progress(sizes, "profiling blocks", unit="size"):
         batch = MICRO_BATCHES[index]
-        mlp[index] = min(mlp[index], _decode_ms(backend, batch))
-        attention[index] = min(attention[index], _attention_ms(backend, batch, seq_len, offload))
-    return mlp, attention
+        mlp[index] += _decode_ms(backend, batch)
+        attention[index] += _attention_ms(backend, batch, seq_len, offload)
+    return [statistics.median(times) for times in mlp], [statistics.median(times) for times in attention]
 
 
 def _prompt_outputs(backend: BlockBackend, batch: int, tokens: int) -> torch.Tensor:
