@@ -105,7 +105,7 @@ def expected_alpha(model_path: str, blocks: tuple[int, int], device_bytes: int, 
     from bloombee.planner.costs import offload_fraction
 
     backend = meta_backend(model_path, *blocks)
-    weights = sum(p.numel() * p.element_size() for p in backend.stack.parameters())
+    weights = backend.weight_bytes
     kv = backend.session_bytes(*blocks, 1, cache_tokens, offload=0.0).device
     room = device_bytes - weights
     heads = backend.stack.block_configs[0].num_kv_heads
@@ -293,7 +293,7 @@ def batch_table(args) -> list[dict[str, Any]]:
     model_path = models.resolve(args.probe_model)[0]
     blocks = load_model_config(model_path).num_hidden_layers
     backend = meta_backend(model_path, 0, blocks)
-    weights = sum(p.numel() * p.element_size() for p in backend.stack.parameters())
+    weights = backend.weight_bytes
     room, host = parse_bytes(args.device_memory) - weights, parse_bytes(args.host_memory)
     rows = []
     for offload in BATCH_OFFLOADS:

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bloombee.client import AutoDistributedModel
-from bloombee.loading import dht_prefix
+from bloombee.loading import dht_prefix, load_block_stack
 from bloombee.local_swarm import LocalSwarm
 from conftest import make_tiny_model
 
@@ -17,6 +17,11 @@ def save_tiny_llama(folder: Path, num_layers: int = NUM_BLOCKS) -> Path:
     """An 8-block GQA Llama with random weights, saved like a hub checkpoint."""
     make_tiny_model("llama-gqa", num_layers=num_layers, seed=1).save_pretrained(folder)
     return folder
+
+
+def weight_bytes(folder: Path, start: int, end: int) -> int:
+    """Bytes of blocks [start, end) of the checkpoint in float32, as the tests' servers load them."""
+    return sum(p.numel() * p.element_size() for p in load_block_stack(folder, start, end).parameters())
 
 
 def reference(folder: Path):

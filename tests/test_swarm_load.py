@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from bloombee.client import RequestRejected
-from bloombee.loading import load_block_stack
-from swarm_support import client, reference, save_tiny_llama, start_swarm
+from swarm_support import client, reference, save_tiny_llama, start_swarm, weight_bytes
 
 SERVERS = {"a1": "0:4", "a2": "0:4", "b1": "4:8", "b2": "4:8"}
 LENGTH, NEW_TOKENS = 48, 12
@@ -23,7 +22,7 @@ ALLOC_TIMEOUT = 1.0
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "load-llama")
-    weights = sum(p.numel() * p.element_size() for p in load_block_stack(folder, 0, 4).parameters())
+    weights = weight_bytes(folder, 0, 4)
     device_memory = weights + PER_SERVER * SESSION_DEVICE_BYTES + SESSION_DEVICE_BYTES // 2
     swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
     try:

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from bloombee.client import RequestRejected
-from bloombee.loading import load_block_stack
-from swarm_support import NUM_BLOCKS, client, reference, save_tiny_llama, start_swarm
+from swarm_support import NUM_BLOCKS, client, reference, save_tiny_llama, start_swarm, weight_bytes
 
 BATCH, LENGTH = 2, 64
 KV_DEVICE_PER_TOKEN = NUM_BLOCKS * 2 * 1 * 16 * 4  # blocks x (K, V) x 1 of 2 KV heads on the device x head_dim x fp32
@@ -20,7 +19,7 @@ ALLOC_TIMEOUT = 2.0
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "memory-llama")
-    weights = sum(p.numel() * p.element_size() for p in load_block_stack(folder, 0, NUM_BLOCKS).parameters())
+    weights = weight_bytes(folder, 0, NUM_BLOCKS)
     room = BATCH * LENGTH * KV_DEVICE_PER_TOKEN * 3 // 2  # one session of BATCH x LENGTH fits, two do not
     swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
     try:

@@ -8,10 +8,9 @@ import pytest
 import yaml
 
 from bloombee.dht.records import fetch_records
-from bloombee.loading import load_block_stack
 from bloombee.planner import NodeSpec
 from bloombee.planner.placement import current_assignment, node_range
-from swarm_support import save_tiny_llama, start_swarm
+from swarm_support import save_tiny_llama, start_swarm, weight_bytes
 
 
 def test_node_range_reads_a_plan_report():
@@ -39,7 +38,7 @@ KV_PER_TOKEN_BLOCK = 2 * 2 * 16 * 4  # (K, V) x 2 KV heads x head_dim 16 x float
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "plan-llama")
-    weights = sum(p.numel() * p.element_size() for p in load_block_stack(folder, 0, 4).parameters())
+    weights = weight_bytes(folder, 0, 4)
     kv = 4 * PLAN_BATCH * PLAN_SEQ_LEN * KV_PER_TOKEN_BLOCK  # 4 blocks' cache for the planned workload
     device_memory = weights + kv // 2 + 16 * 1024  # half the cache on the device: 4 blocks need offload
     swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))

@@ -36,6 +36,11 @@ class BlockBackend:
                 f"blocks [{start_block}, {end_block}) are not inside this server's range [{self.start}, {self.end})"
             )
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the hosted blocks' parameters."""
+        return sum(p.numel() * p.element_size() for p in self.stack.parameters())
+
     def session_bytes(self, start_block: int, end_block: int, batch_size: int, max_length: int,
                       offload: float | None = None) -> SessionBytes:
         """What a session's tensors take on the device and in host memory: each block's keys and values (their

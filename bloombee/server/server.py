@@ -98,7 +98,7 @@ class Server:
 
     def _room_for_sessions(self, backend: BlockBackend) -> int:
         """Device bytes left for sessions once the weights (and on CUDA its context and workspace) are in."""
-        weights = sum(p.numel() * p.element_size() for p in backend.stack.parameters())
+        weights = backend.weight_bytes
         room = self.memory[0] - weights - (CUDA_RESERVED if self.device.type == "cuda" else 0)
         if room <= 0:
             raise WeightsDoNotFit(f"blocks [{backend.start}, {backend.end}) take {format_bytes(weights)} of weights, more "
