@@ -1,5 +1,6 @@
 """Helpers for tests that run a real local swarm (bootstrap peer + server processes on 127.0.0.1)."""
 
+import time
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from bloombee.local_swarm import LocalSwarm
 from conftest import make_tiny_model
 
 NUM_BLOCKS = 8
+POLL_PERIOD = 0.2  # seconds between checks of a condition awaited with poll()
 
 
 def save_tiny_llama(folder: Path, num_layers: int = NUM_BLOCKS) -> Path:
@@ -37,3 +39,12 @@ def start_swarm(folder: Path, log_dir: Path, cache_dir: Path) -> LocalSwarm:
 
 def client(swarm: LocalSwarm, **kwargs) -> AutoDistributedModel:
     return AutoDistributedModel.from_pretrained(swarm.model, initial_peers=swarm.initial_peers, dtype=torch.float32, **kwargs)
+
+
+def poll(condition, limit: float, what: str) -> float:
+    """The moment (time.monotonic()) `condition()` held; AssertionError after `limit` seconds."""
+    began = time.monotonic()
+    while not condition():
+        assert time.monotonic() - began < limit, f"{what} not within {limit:g} s"
+        time.sleep(POLL_PERIOD)
+    return time.monotonic()

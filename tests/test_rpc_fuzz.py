@@ -124,7 +124,10 @@ class Stream:
         self.outbox.put_nowait(request)
 
     async def reply(self) -> tuple[Message, dict]:
-        return unpack(await asyncio.wait_for(anext(self.replies), TIMEOUT))
+        try:
+            return unpack(await asyncio.wait_for(anext(self.replies), TIMEOUT))
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no reply on a {self.method.__name__} stream within {TIMEOUT:g} s") from None
 
     async def close(self) -> list[Message]:
         """End the stream; what came back before it ended."""

@@ -22,6 +22,7 @@ from bloombee.dht.records import ServerRecord, ServerState, fetch_records
 from bloombee.loading import dht_prefix, resolve_model
 from bloombee.local_swarm import LocalSwarm
 from bloombee.settings import ClientSettings
+from swarm_support import poll
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -137,15 +138,6 @@ def records_of(swarm: LocalSwarm, name: str) -> dict[str, ServerRecord]:
     """The records of server `name` by peer id, as the DHT shows them now."""
     return {peer_id: record for records in fetch_records(swarm.dht, swarm.prefix, swarm.num_blocks)
             for peer_id, record in records.items() if record.public_name == name}
-
-
-def poll(condition, limit: float, what: str) -> float:
-    """The moment (time.monotonic()) `condition()` held; AssertionError after `limit` seconds."""
-    began = time.monotonic()
-    while not condition():
-        assert time.monotonic() - began < limit, f"{what} not within {limit:g} s"
-        time.sleep(WATCH_PERIOD)
-    return time.monotonic()
 
 
 def usable(model, peer_id: str):
