@@ -83,12 +83,32 @@ class ClientSettings(BaseModel):
                                                       "it saves time on that link), on or off")
     micro_batches: Literal["auto"] | int = Field("auto", description="micro-batches per step: auto (the planner's "
                                                  "model of the chain decides) or a count; 1 = off")
+    speculation: Literal["auto", "on", "off"] = Field("auto", description="with a draft model: speculate in every "
+                                                      "round (on), never (off), or while it is faster than plain "
+                                                      "decoding on the measured links (auto: the break-even bandwidth)")
+    draft_widths: str = Field("4,2,2,1", description="children of each node of the draft tree at each depth, "
+                              "comma-separated (4,2,2,1: 45 nodes)")
+    prune_tau: float = Field(0.2, ge=0.0, description="the first server drops draft-tree candidates whose keep score "
+                             "is below this, with their descendants (0 = no pruning; greedy decoding only)")
     verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "
                                       "probability per step, and always at a server's first step in a session, "
                                       "recompute each span's output on another server holding its blocks and ban "
                                       "servers that disagree (0 = off)")
     verify_seed: int | None = Field(None, description="seed of the random choice of verified steps and verifiers "
                                     "(unset: unseeded)")
+
+    @field_validator("draft_widths")
+    @classmethod
+    def _widths(cls, value: str) -> str:
+        parts = [part.strip() for part in value.split(",") if part.strip()]
+        if not all(part.isdigit() and int(part) >= 1 for part in parts):
+            raise ValueError(f"draft_widths must be whole numbers of at least 1, comma-separated, got {value!r}")
+        return ",".join(parts)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """draft_widths as numbers."""
+        return tuple(int(part) for part in self.draft_widths.split(",") if part)
 
     @field_validator("micro_batches")
     @classmethod

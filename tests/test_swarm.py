@@ -113,7 +113,7 @@ def test_bad_step_is_rejected_and_session_keeps_working(model, ref):
             session.step(torch.zeros(1, 2, 63))
         wrong_width = torch.zeros(1, 2, 63)
         with pytest.raises(RequestRejected, match=r"server a rejected the request: hidden states must have shape"):
-            run_sync(session._run_chain(session.streams, wrong_width, torch.ones(1, 2, dtype=torch.bool), 0, reply=True))
+            run_sync(session._run_chain(session.streams, [(0, {"hidden": wrong_width})], 0, reply=True, num_tokens=2))
         hidden = model.head.embed(torch.tensor([[1, 2, 3]]))
         out = session.step(hidden)
     with torch.no_grad():

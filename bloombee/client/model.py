@@ -17,6 +17,7 @@ from bloombee.client.session import InferenceSession
 from bloombee.dht.peers import start_dht
 from bloombee.loading import dht_prefix, load_client_head, load_model_config, resolve_model
 from bloombee.settings import ClientSettings, load_settings
+from bloombee.speculative.api import speculative_generate
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.inference_mode()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """transformers' generate(), run through a session (the active one, or one opened for this call)."""
+        """transformers' generate(), run through a session (the active one, or one opened for this call); with
+        `draft_model=` (or `assistant_model=`) speculative, in a session of its own (bloombee.speculative)."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
+        draft = kwargs.pop("draft_model", None) or kwargs.pop("assistant_model", None)
+        if draft is not None:
+            if args or self._active.get() is not None:
+                raise ValueError("speculative generation takes keyword arguments only and opens its own session: "
+                                 "call it outside `with model.inference_session(...)`")
+            return speculative_generate(self, input_ids, draft, **kwargs)
         kwargs["use_cache"] = False
         if self._active.get() is None:
             new_tokens = kwargs.get("max_new_tokens") or (self.generation_config.max_new_tokens or 0)

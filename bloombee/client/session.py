@@ -31,13 +31,29 @@ from bloombee.protocol import (
     pack,
     unpack,
 )
+from bloombee.models.core.kv_cache import compact_slots
 from bloombee.settings import ClientSettings
+from bloombee.speculative.tree import PackedTrees, dense_rows, pack_rows
 
 logger = logging.getLogger(__name__)
 
 
 PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
 SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "compute_s", "encode_s")  # HopReport fields added up over micro-batches
+
+
+def joined(outputs: dict[int, dict[str, torch.Tensor]], parts: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The micro-batches' hidden outputs in row order, as one tensor."""
+    return torch.cat([outputs[offset]["hidden"] for offset, _ in parts])
+
+
+def join_trees(parts: list[PackedTrees]) -> PackedTrees:
+    """Consecutive rows' packed trees as one."""
+    offsets = [parts[0].offsets]
+    for part in parts[1:]:
+        offsets.append(part.offsets[1:] + offsets[-1][-1])
+    return PackedTrees(torch.cat(offsets), *(torch.cat([getattr(part, name) for part in parts])
+                                             for name in ("parents", "tokens", "ids")))
 
 
 def split_rows(batch: int, parts: int) -> list[tuple[int, int]]:
@@ -153,6 +169,8 @@ class InferenceSession:
         self._events: asyncio.Queue | None = None
         self._closed = False
         self.verifier = Verifier(manager, p2p, settings, policy_for)
+        self._tree: tuple[int, int] | None = None  # (first slot, width) of the last tree step
+        self._compaction: tuple[int, list[torch.Tensor]] | None = None  # its accepted nodes, until the servers have them
 
     @property
     def spans(self) -> list[Span]:
@@ -232,39 +250,126 @@ class InferenceSession:
         return self._step_id
 
     async def _step(self, hidden: torch.Tensor, token_mask: torch.Tensor | None, start_position: int | None) -> torch.Tensor:
-        if self._events is None or self._closed:
-            raise RuntimeError("the inference session is not open; use it inside `with model.inference_session(...)`")
+        self._check_open()
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
         start = self.position if start_position is None else start_position
         if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden states must have shape [batch, tokens, {self.hidden_size}], got {list(hidden.shape)}")
         if batch != self.batch_size:
             raise ValueError(f"this session was opened for batch size {self.batch_size}, got hidden states of batch {batch}")
+        self._check_positions(start, num_tokens)
+        mask = torch.ones(batch, num_tokens, dtype=torch.bool) if token_mask is None else token_mask.to(torch.bool).cpu()
+        self._write_history(start, hidden, mask)
+
+        def parts_of(parts: list[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+            return self._linear_parts(hidden, mask, parts)
+
+        async def check(outputs: dict[int, dict], parts: list[tuple[int, int]]) -> None:
+            self.shapes = record_shape(self.shapes, StepShape(start, num_tokens, tuple(parts)))
+            if self.verifier.enabled:
+                await self._verify(start + num_tokens, joined(outputs, parts))
+
+        outputs, parts = await self._with_retries(start, num_tokens, parts_of, check)
+        self.position = start + num_tokens
+        return joined(outputs, parts)
+
+    def _check_open(self) -> None:
+        if self._events is None or self._closed:
+            raise RuntimeError("the inference session is not open; use it inside `with model.inference_session(...)`")
+
+    def _check_positions(self, start: int, num_tokens: int) -> None:
         if not 0 <= start <= self.position or start + num_tokens > self.max_length:
             raise ValueError(f"positions [{start}, {start + num_tokens}) do not fit this session "
                              f"(written up to {self.position}, max_length {self.max_length})")
-        mask = torch.ones(batch, num_tokens, dtype=torch.bool) if token_mask is None else token_mask.to(torch.bool).cpu()
+
+    def _write_history(self, start: int, hidden: torch.Tensor, mask: torch.Tensor) -> None:
+        """Keep the step's inputs [batch, T, H] and token mask at positions [start, start + T), for replays."""
         with torch.inference_mode():
             if self.input_history is None:
-                self.input_history = torch.zeros(batch, self.max_length, self.hidden_size, dtype=hidden.dtype)
-            self.input_history[:, start:start + num_tokens] = hidden.detach().to(self.input_history.dtype).cpu()
-            self.mask_history[:, start:start + num_tokens] = mask
+                self.input_history = torch.zeros(self.batch_size, self.max_length, self.hidden_size, dtype=hidden.dtype)
+            self.input_history[:, start:start + hidden.shape[1]] = hidden.detach().to(self.input_history.dtype).cpu()
+            self.mask_history[:, start:start + hidden.shape[1]] = mask
+
+    async def _with_retries(self, start: int, num_tokens: int, parts_of, check=None,
+                            **header) -> tuple[dict[int, dict], list[tuple[int, int]]]:
+        """Run a step through the chain as micro-batches (`parts_of(parts)` gives each one's tensors) and then
+        `check(outputs, parts)` if given, re-routing failed servers and retrying: the outputs by micro-batch and
+        the parts."""
         for attempt in range(self.settings.max_retries + 1):
-            parts = split_rows(batch, self.micro_batches_for(self.streams, num_tokens, start + num_tokens))
+            parts = split_rows(self.batch_size, self.micro_batches_for(self.streams, num_tokens, start + num_tokens))
             try:
-                output = await self._run_chain(self.streams, hidden, mask, start, reply=True, parts=parts)
-                self.shapes = record_shape(self.shapes, StepShape(start, num_tokens, tuple(parts)))
-                if self.verifier.enabled:
-                    await self._verify(start + num_tokens, output)
-                self.position = start + num_tokens
-                return output
+                outputs = await self._run_chain(self.streams, parts_of(parts), start, True, num_tokens, **header)
+                if check is not None:
+                    await check(outputs, parts)
+                self._compaction = None
+                return outputs, parts
             except ServerFailed as failure:
-                if attempt == self.settings.max_retries:
-                    raise RuntimeError(f"step failed after {attempt + 1} attempts: {failure}") from failure
-                logger.warning("Server %s failed (%s); re-routing its blocks", self.streams[failure.index].span.peer_id, failure)
-                through = len(self.streams) - 1 if isinstance(failure, Untrusted) else failure.index
-                await self._recover(failure.index, start, ban=failure.ban, through=through)
+                await self._after_failure(failure, attempt, start)
         raise AssertionError("unreachable")
+
+    async def _after_failure(self, failure: ServerFailed, attempt: int, start: int) -> None:
+        if attempt == self.settings.max_retries:
+            raise RuntimeError(f"step failed after {attempt + 1} attempts: {failure}") from failure
+        logger.warning("Server %s failed (%s); re-routing its blocks", self.streams[failure.index].span.peer_id, failure)
+        through = len(self.streams) - 1 if isinstance(failure, Untrusted) else failure.index
+        await self._recover(failure.index, start, ban=failure.ban, through=through)
+
+    def _linear_parts(self, hidden: torch.Tensor, mask: torch.Tensor,
+                      parts: Sequence[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Each micro-batch's tensors of a step of consecutive tokens."""
+        result = []
+        for offset, size in parts:
+            tensors = {"hidden": hidden[offset:offset + size]}
+            if not bool(mask[offset:offset + size].all()):
+                tensors["token_mask"] = mask[offset:offset + size]
+            result.append((offset, tensors))
+        return result
+
+    # -- tree steps (speculative decoding) ----------------------------------------------------------
+
+    def tree_step(self, hidden: torch.Tensor, trees: PackedTrees, prune_tau: float | None = None
+                  ) -> tuple[torch.Tensor, PackedTrees]:
+        """Run each row's token tree (`hidden` [sum of the trees' nodes, H], packed like `trees`) from the current
+        position: the chain's outputs of the nodes the first server kept, packed, and their trees."""
+        return run_sync(self._tree_step(hidden, trees, prune_tau))
+
+    def commit_tree(self, accepted: list[torch.Tensor]) -> int:
+        """Keep each row's accepted nodes (ids, root first) of the last tree step; the position advances by the
+        longest. The servers compact their caches when the next step arrives. Returns the new position."""
+        start, width = self._tree
+        advance = max(ids.numel() for ids in accepted)
+        keep = [ids.to(torch.long) for ids in accepted]
+        with torch.inference_mode():
+            compact_slots(self.input_history, 1, start, keep)
+            self.mask_history[:, start:start + width] = False
+            for row, ids in enumerate(keep):
+                self.mask_history[row, start:start + ids.numel()] = True
+        self.shapes = record_shape(self.shapes, StepShape(start, advance, ((0, self.batch_size),)))
+        self._compaction = (start, keep)
+        self.position = start + advance
+        return self.position
+
+    async def _tree_step(self, hidden: torch.Tensor, trees: PackedTrees, prune_tau: float | None
+                         ) -> tuple[torch.Tensor, PackedTrees]:
+        self._check_open()
+        if trees.num_rows != self.batch_size or hidden.ndim != 2 or hidden.shape != (trees.parents.numel(), self.hidden_size):
+            raise ValueError(f"a tree step takes {self.batch_size} trees and their nodes' hidden states "
+                             f"[nodes, {self.hidden_size}], got {trees.num_rows} trees and {list(hidden.shape)}")
+        if not all("tree_steps" in stream.span.record.features for stream in self.streams):
+            raise RuntimeError("a server of this chain does not announce tree steps (feature 'tree_steps')")
+        start, width = self.position, max(trees.counts)
+        self._check_positions(start, width)
+        self._write_history(start, dense_rows(hidden, trees.offsets, width), dense_rows(
+            torch.ones(hidden.shape[0], dtype=torch.bool), trees.offsets, width))
+
+        def parts_of(parts: list[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+            return [(offset, {"hidden": hidden[int(trees.offsets[offset]):int(trees.offsets[offset + size])],
+                              **trees.select(offset, size).tensors()}) for offset, size in parts]
+
+        outputs, parts = await self._with_retries(start, width, parts_of, prune_tau=prune_tau)
+        self._tree = (start, width)
+        kept = join_trees([PackedTrees.from_tensors(outputs[offset]) for offset, _ in parts])
+        return joined(outputs, parts), kept
 
     async def _verify(self, end: int, output: torch.Tensor) -> None:
         """Check the spans due at this step, which ended at `end` with `output` (bloombee.client.verification); raise
@@ -289,41 +394,42 @@ class InferenceSession:
                 raise ServerFailed(index, str(error), error.ban) from error
         return histories[index]
 
-    async def _run_chain(self, chain: list[SpanStream], hidden: torch.Tensor, mask: torch.Tensor, start: int, reply: bool,
-                         parts: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
-        """Send one step to the first server of `chain` as micro-batches (`parts`, else as many as the chain suits);
-        gather the last server's outputs (or acks)."""
+    async def _run_chain(self, chain: list[SpanStream], parts: list[tuple[int, dict[str, torch.Tensor]]], start: int,
+                         reply: bool, num_tokens: int, **header) -> dict[int, dict[str, torch.Tensor]]:
+        """Send one step's micro-batches (first row, tensors) to the first server of `chain`; gather the last server's
+        outputs (tensors by first row), or its acknowledgements."""
         began = time.perf_counter()
-        batch, num_tokens = hidden.shape[0], hidden.shape[1]
-        if parts is None:
-            parts = split_rows(batch, self.micro_batches_for(chain, num_tokens, start + num_tokens))
         step_id = self._next_step_id()
         stats = StepStats(micro_batches=len(parts))
-        expected = self.clock.expected([stream.span for stream in chain], batch, num_tokens)
-        await self._send_step(chain, step_id, hidden, mask, start, parts, reply, stats)
+        expected = self.clock.expected([stream.span for stream in chain], self.batch_size, num_tokens)
+        await self._send_step(chain, step_id, start, parts, reply, stats, **header)
         outputs = await self._await(chain, step_id, MessageKind.OUTPUT if reply else MessageKind.ACK, expected, stats,
                                     [offset for offset, _ in parts])
         stats.total_s = time.perf_counter() - began
         self.last_step = stats
-        if not reply:
-            return None
-        self.clock.observe(batch, num_tokens, stats.total_s)
-        self._learn_decode_speeds(chain, stats)
-        return torch.cat([outputs[offset] for offset, _ in parts]) if len(parts) > 1 else outputs[0]
+        if reply:
+            self.clock.observe(self.batch_size, num_tokens, stats.total_s)
+            self._learn_decode_speeds(chain, stats)
+        return outputs
 
-    async def _send_step(self, chain: list[SpanStream], step_id: int, hidden: torch.Tensor, mask: torch.Tensor, start: int,
-                         parts: Sequence[tuple[int, int]], reply: bool, stats: StepStats) -> None:
-        """Encode and send one step's micro-batches to the first server of `chain`, with the rest of the chain."""
+    async def _send_step(self, chain: list[SpanStream], step_id: int, start: int,
+                         parts: Sequence[tuple[int, dict[str, torch.Tensor]]], reply: bool, stats: StepStats,
+                         **header) -> None:
+        """Encode and send one step's micro-batches to the first server of `chain`, with the rest of the chain, and
+        the accepted nodes of the last tree while the servers have not had them."""
         route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
                           link_bandwidth=stream.span.record.link_bandwidth,
                           decode_speed=self._policy(stream).measured_decompress_speed) for stream in chain[1:])
+        if reply and self._compaction is not None:
+            header["compact_start"] = self._compaction[0]
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
-                            reply_decode_speed=self._own_decode_speed.value)
+                            reply_decode_speed=self._own_decode_speed.value, **header)
         loop = asyncio.get_running_loop()
-        for offset, size in parts:
-            tensors = {"hidden": hidden[offset:offset + size]}
-            if not bool(mask[offset:offset + size].all()):
-                tensors["token_mask"] = mask[offset:offset + size]
+        for offset, tensors in parts:
+            if header.compact_start is not None:
+                rows = tensors["tree_offsets"].numel() - 1 if "tree_offsets" in tensors else tensors["hidden"].shape[0]
+                ids, offsets = pack_rows(self._compaction[1][offset:offset + rows])
+                tensors = {**tensors, "compact_ids": ids, "compact_offsets": offsets}
             encoded = await loop.run_in_executor(None, encode_tensors, tensors, self._policy(chain[0]))
             step = header.model_copy(update={"batch_offset": offset})
             await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=step), encoded.frames))
@@ -364,7 +470,7 @@ class InferenceSession:
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, expected: float,
                      stats: StepStats | None = None, offsets: Sequence[int] = (0,),
-                     earlier: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | None]:
+                     earlier: frozenset[int] = frozenset()) -> dict[int, dict[str, torch.Tensor]]:
         """Wait for message `want` of `step_id` from the last server of `chain`, one per micro-batch (keyed by its
         first row, in any order), for at most the deadline of something `expected` to take that many seconds; raise
         ServerFailed on any failure, of this step or of the steps `earlier` still in flight."""
@@ -406,7 +512,7 @@ class InferenceSession:
             offset = message.batch_offset or 0
             if message.kind == want and index == len(chain) - 1 and offset in pending:
                 pending.discard(offset)
-                outputs[offset] = tensors.get("hidden")
+                outputs[offset] = tensors
                 if stats is not None:
                     stats.add_received(message.reports, time.perf_counter() - received,
                                        sum(len(frame.buffer) for frame in item.tensors))
@@ -487,8 +593,8 @@ class InferenceSession:
         for shape in shapes:
             step_ids.append(self._next_step_id())
             positions = slice(shape.start, shape.start + shape.tokens)
-            await self._send_step(chain, step_ids[-1], history[:, positions], self.mask_history[:, positions],
-                                  shape.start, shape.parts, False, stats)
+            await self._send_step(chain, step_ids[-1], shape.start, self._linear_parts(
+                history[:, positions], self.mask_history[:, positions], shape.parts), False, stats)
         await self._await(chain, step_ids[-1], MessageKind.ACK, expected, offsets=[offset for offset, _ in shapes[-1].parts],
                           earlier=frozenset(step_ids[:-1]))
         logger.info("Replayed %d positions onto %s as %d steps", end, [span.peer_id[-6:] for span in spans], len(shapes))
@@ -497,4 +603,4 @@ class InferenceSession:
         step_id = self._next_step_id()
         await stream.send(pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=step_id)))
         expected = self.clock.announced([stream.span], self.batch_size * end)
-        return (await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]
+        return (await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]["hidden"]

@@ -20,7 +20,7 @@ from bloombee import codec
 from bloombee.codec import CompressionPolicy
 
 PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history",
-                     "micro_batches", "session_compression")
+                     "micro_batches", "session_compression", "tree_steps")
 # what every client of this version uses; a server that does not announce all of them is not routed to
 REQUIRED_FEATURES = ("push", "explicit_positions", "token_mask", "history")
 
@@ -81,6 +81,7 @@ class HopReport(BaseModel):
     compute_at: float = 0.0
     encode_at: float = 0.0
     duplicate: bool = False  # the step had come before: not computed again, its earlier output sent on
+    nodes: int = 0  # tree steps: the tree nodes this server sent on (after its pruning)
 
 
 class OpenSession(BaseModel):
@@ -108,6 +109,10 @@ class StepHeader(BaseModel):
     reply: bool = True
     reply_decode_speed: float | None = Field(None, gt=0, description="the client's measured decode speed, raw bytes/s")
     reports: tuple[HopReport, ...] = ()  # what the servers before this one did with the step
+    prune_tau: float | None = Field(None, ge=0, description="tree steps: the first server that can drops the "
+                                    "candidates whose keep score is below this, with their descendants")
+    compact_start: int | None = Field(None, ge=0, description="before this step, keep only the accepted nodes "
+                                      "(compact_ids, compact_offsets) of the tree written from this slot")
 
 
 class Message(BaseModel):

@@ -8,8 +8,11 @@ from pydantic import ValidationError
 from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.models.core.offload import host_kv_heads
+from bloombee.models.core.kv_cache import compact_slots
 from bloombee.server.memory import SessionBytes
 from bloombee.server.sessions import Session
+from bloombee.speculative.pruning import TreePruner
+from bloombee.speculative.tree import PackedTrees, TokenTree, dense_rows, depths, packed_rows, tree_mask, unpack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +27,13 @@ BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller
 class BlockBackend:
     """Runs a sub-range of the hosted block stack; every call is made from the server's compute thread."""
 
-    def __init__(self, stack: torch.nn.Module, device: torch.device, dtype: torch.dtype, offload: float = 0.0):
+    def __init__(self, stack: torch.nn.Module, device: torch.device, dtype: torch.dtype, offload: float = 0.0,
+                 pruner: TreePruner | None = None):
         self.stack, self.device, self.dtype = stack, torch.device(device), dtype
         self.start, self.end = stack.start, stack.end
         self.hidden_size = stack.config.hidden_size
         self.offload = offload  # fraction of each block's KV heads that sessions keep in host memory
+        self.pruner = pruner  # the proxy head and keep classifier for the hidden states after block `end`
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -103,6 +108,7 @@ class BlockBackend:
         """Write tokens at slots [start_position, start_position + T) of rows [batch_offset, +b); return outputs."""
         self.check_step(session, hidden, start_position, batch_offset, token_mask, rope_positions)
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
+        self.check_no_tree_pending(session, batch_offset, batch, None)
         end_position = start_position + num_tokens
         rows = slice(batch_offset, batch_offset + batch)
         session.token_mask[rows, start_position:end_position] = True if token_mask is None else token_mask.to(torch.bool)
@@ -115,6 +121,103 @@ class BlockBackend:
                          cache_positions, mask, batch_offset, block_range=(session.start_block, session.end_block))
         session.output_history[rows, start_position:end_position] = out.to(session.output_history.device)
         return out
+
+    def check_tree_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+                        trees: PackedTrees) -> int:
+        """Raise InvalidStep unless a tree step fits the session; the width (largest tree) it writes."""
+        if hidden.ndim != 2 or hidden.shape != (trees.parents.numel(), self.hidden_size) or not hidden.is_floating_point():
+            raise InvalidStep(f"a tree step's hidden states are packed, [nodes, {self.hidden_size}] floating point, one "
+                              f"per node of its trees ({trees.parents.numel()}), got {hidden.dtype} {list(hidden.shape)}")
+        width = max(trees.counts)
+        if batch_offset + trees.num_rows > session.batch_size:
+            raise InvalidStep(f"rows [{batch_offset}, {batch_offset + trees.num_rows}) exceed the session's batch size "
+                              f"{session.batch_size}")
+        if start_position + width > session.max_length:
+            raise InvalidStep(f"a tree of {width} nodes at slot {start_position} exceeds the session's max_length "
+                              f"{session.max_length}")
+        self.check_no_tree_pending(session, batch_offset, trees.num_rows, start_position)
+        return width
+
+    @staticmethod
+    def check_no_tree_pending(session: Session, batch_offset: int, batch: int, start_position: int | None) -> None:
+        """Raise InvalidStep if a row still holds a tree whose accepted nodes were never sent (its rejected nodes
+        would stay readable), unless it is the tree a tree step at `start_position` writes again."""
+        for row in range(batch_offset, batch_offset + batch):
+            if row in session.trees and session.trees[row][0] != start_position:
+                raise InvalidStep(f"row {row} holds a tree at slot {session.trees[row][0]} whose accepted nodes were "
+                                  f"not sent (compact_start, compact_ids, compact_offsets)")
+
+    @torch.inference_mode()
+    def tree_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+                  trees: PackedTrees, prune_tau: float | None) -> tuple[torch.Tensor, PackedTrees]:
+        """Write each row's tree at slots [start_position, + its size), nodes attending the row's prefix and their
+        ancestors at rope positions from their depths; the packed outputs and trees, pruned when `prune_tau` is set
+        and this server holds a pruner for the session's last block."""
+        width = self.check_tree_step(session, hidden, start_position, batch_offset, trees)
+        rows, end = slice(batch_offset, batch_offset + trees.num_rows), start_position + width
+        for row in range(batch_offset, rows.stop):
+            if row in session.trees:  # this tree again (a retry): what the earlier one wrote is masked first
+                session.token_mask[row, start_position:start_position + session.trees.pop(row)[1].numel()] = False
+        parents_rows = unpack_rows(trees.parents, trees.offsets)
+        valid = dense_rows(torch.ones(hidden.shape[0], dtype=torch.bool), trees.offsets, width)
+        session.token_mask[rows, start_position:end] = valid
+        prefix = session.token_mask[rows, :start_position]
+        rope = prefix.sum(-1, keepdim=True) + dense_rows(torch.cat([depths(p) for p in parents_rows]), trees.offsets, width)
+        mask = tree_mask(parents_rows, width, prefix).to(self.device)
+        cache_positions = torch.arange(start_position, end, device=self.device)
+        dense = dense_rows(hidden, trees.offsets, width).to(self.device, self.dtype)
+        out = self.stack(dense, rope.to(self.device), session.caches, cache_positions, mask, batch_offset,
+                         block_range=(session.start_block, session.end_block))
+        session.output_history[rows, start_position:end] = out.to(session.output_history.device)
+        for row, (_, _, ids) in zip(range(batch_offset, rows.stop), trees.rows()):
+            session.trees[row] = (start_position, ids.clone())
+        packed = packed_rows(out, trees.counts)
+        if prune_tau is None or self.pruner is None or session.end_block != self.end:
+            return packed, trees
+        return self._prune(packed, trees, prune_tau)
+
+    def _prune(self, hidden: torch.Tensor, trees: PackedTrees, tau: float) -> tuple[torch.Tensor, PackedTrees]:
+        """Drop each row's candidates scoring below `tau` (and their descendants); the kept nodes, packed."""
+        kept_hidden, kept_trees = [], []
+        for row_hidden, (parents, tokens, ids) in zip(unpack_rows(hidden, trees.offsets), trees.rows()):
+            keep = self.pruner.prune(row_hidden, tokens, parents, tau)
+            subtree, kept = TokenTree(tokens, parents).subtree(keep)
+            kept_hidden.append(row_hidden[kept])
+            kept_trees.append((subtree, ids[kept]))
+        offsets = trees.offsets.new_zeros(trees.offsets.shape)
+        offsets[1:] = torch.tensor([tree.size for tree, _ in kept_trees]).cumsum(0)
+        return torch.cat(kept_hidden), PackedTrees(offsets, torch.cat([tree.parents for tree, _ in kept_trees]),
+                                                   torch.cat([tree.tokens for tree, _ in kept_trees]),
+                                                   torch.cat([ids for _, ids in kept_trees]))
+
+    @torch.inference_mode()
+    def compact(self, session: Session, start_position: int, batch_offset: int, keep_ids: list[torch.Tensor]) -> None:
+        """Keep only the accepted nodes (by id, root first) of each row's tree written at `start_position`, moved to
+        the tree's first slots in the KV caches, token mask and output history; the rest of the tree's slots are
+        masked. Rows without such a tree (already compacted, or rebuilt by a replay) are left as they are."""
+        for row, ids in zip(range(batch_offset, batch_offset + len(keep_ids)), keep_ids):
+            written = session.trees.get(row)
+            if written is None or written[0] != start_position:
+                continue
+            offsets = self._slots_of(written[1], ids)
+            keep = [offsets]
+            for cache in session.caches:
+                cache.compact(start_position, keep, row)
+            compact_slots(session.output_history, 1, start_position, keep, row)
+            session.token_mask[row, start_position:start_position + written[1].numel()] = False
+            session.token_mask[row, start_position:start_position + offsets.numel()] = True
+            del session.trees[row]
+
+    @staticmethod
+    def _slots_of(written: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The offsets in a written tree of the nodes `ids`; InvalidStep unless they are a root-first ascending path."""
+        where = {int(node): offset for offset, node in enumerate(written.tolist())}
+        if ids.numel() == 0 or any(int(node) not in where for node in ids):
+            raise InvalidStep(f"the accepted nodes {ids.tolist()[:16]} are not nodes of the tree this server holds")
+        offsets = torch.tensor([where[int(node)] for node in ids], dtype=torch.long)
+        if int(offsets[0]) != 0 or bool((offsets[1:] <= offsets[:-1]).any()):
+            raise InvalidStep("the accepted nodes must begin at the root and go down the tree in order")
+        return offsets
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None) -> torch.Tensor:

@@ -39,6 +39,7 @@ from bloombee.protocol import (
 )
 from bloombee.server.backend import BAD_INPUT, InvalidStep
 from bloombee.server.sessions import Session
+from bloombee.speculative.tree import COMPACT_TENSORS, TREE_TENSORS, PackedTrees, check_offsets, unpack_rows
 
 if TYPE_CHECKING:
     from bloombee.server.handler import BlockServicer
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 Envelope = runtime_pb2.ExpertRequest
 STAGE_DEPTH = 2  # items waiting between two stages
 REMEMBERED_STEPS = 4096  # (step id, batch offset) keys kept per session to recognise a step that comes again
-STEP_TENSORS = ("hidden", "token_mask", "rope_positions")  # what a step message may carry
+STEP_TENSORS = ("hidden", "token_mask", "rope_positions") + TREE_TENSORS + COMPACT_TENSORS  # what a step may carry
 _END = object()
 
 
@@ -175,15 +176,16 @@ class SessionPipeline:
         duplicate = key in self.applied
         try:
             began, compute_at = time.perf_counter(), time.time()
-            if duplicate:
-                self.servicer.backend.check_step(self.session, tensors["hidden"], header.start_position,
-                                                 header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
-                out = self._earlier_output(header, tensors["hidden"])
+            if header.compact_start is not None:
+                await self.servicer.run_compute(self.servicer.backend.compact, self.session, header.compact_start,
+                                                header.batch_offset, compact_ids(tensors))
+            if "tree_parents" in tensors:
+                header, sent_on = await self._tree_step(header, tensors)
             else:
-                out = await self.servicer.run_compute(self._timed_step, tensors["hidden"], header.start_position,
-                                                      header.batch_offset, tensors.get("token_mask"),
-                                                      tensors.get("rope_positions"))
-                self._remember(key)
+                sent_on = {"hidden": await self._linear_step(header, tensors, duplicate)}
+                if header.route:
+                    sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
+            self._remember(key)
             compute_s = time.perf_counter() - began
         except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), header.step_id)
@@ -192,13 +194,32 @@ class SessionPipeline:
             logger.exception("Step %s of session %s failed", header.step_id, self.session.session_id)
             self._error(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", header.step_id)
             return None
+        if header.route and header.compact_start is not None:
+            sent_on.update({name: tensors[name] for name in COMPACT_TENSORS})
         report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, compute_s=compute_s,
                            batch_offset=header.batch_offset, decode_at=step.decode_at, compute_at=compute_at,
-                           duplicate=duplicate)
-        sent_on = {"hidden": out}
-        if header.route:
-            sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
+                           duplicate=duplicate, nodes=sent_on["hidden"].shape[0] if "tree_ids" in sent_on else 0)
         return ComputedStep(header, sent_on, report)
+
+    async def _linear_step(self, header: StepHeader, tensors: dict[str, torch.Tensor], duplicate: bool) -> torch.Tensor:
+        """A step of consecutive tokens; one that came before is not computed again."""
+        step_args = (header.start_position, header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
+        if duplicate:
+            self.servicer.backend.check_step(self.session, tensors["hidden"], *step_args)
+            return self._earlier_output(header, tensors["hidden"])
+        return await self.servicer.run_compute(self._timed_step, tensors["hidden"], *step_args)
+
+    async def _tree_step(self, header: StepHeader, tensors: dict[str, torch.Tensor]) -> tuple[StepHeader, dict]:
+        """A step of token trees (one that comes again writes the same slots again); the header sent on, without
+        the pruning threshold once this server pruned, and the outputs with their trees."""
+        trees = PackedTrees.from_tensors(tensors)
+        out, kept = await self.servicer.run_compute(self.servicer.backend.tree_step, self.session, tensors["hidden"],
+                                                    header.start_position, header.batch_offset, trees, header.prune_tau)
+        if kept is not trees:
+            header = header.model_copy(update={"prune_tau": None})
+            logger.debug("Session %s: pruned %d tree nodes to %d", self.session.session_id, trees.parents.numel(),
+                         kept.parents.numel())
+        return header, {"hidden": out, **kept.tensors()}
 
     def _timed_step(self, hidden: torch.Tensor, *step_args) -> torch.Tensor:
         """The backend's step (in the compute thread), its compute time counted towards the announced throughput."""
@@ -255,3 +276,14 @@ class SessionPipeline:
     @staticmethod
     def _ack(header: StepHeader, reports: tuple[HopReport, ...]) -> Envelope:
         return pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset, reports=reports))
+
+
+def compact_ids(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The accepted node ids of each row a step's compaction names; InvalidStep if its tensors are malformed."""
+    if any(name not in tensors for name in COMPACT_TENSORS):
+        raise InvalidStep(f"a step with compact_start carries {list(COMPACT_TENSORS)}")
+    ids, offsets = tensors["compact_ids"], tensors["compact_offsets"]
+    if ids.ndim != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise InvalidStep(f"compact_ids must be a 1-d integer tensor, got {ids.dtype} {list(ids.shape)}")
+    check_offsets(offsets, ids.numel())
+    return unpack_rows(ids, offsets)

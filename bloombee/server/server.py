@@ -18,6 +18,7 @@ from bloombee.dht.records import ModelEntry, ServerRecord, ServerState, announce
 from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
 from bloombee.planner.costs import offload_fraction
 from bloombee.protocol import PROTOCOL_FEATURES
+from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
@@ -88,7 +89,8 @@ class Server:
     def _load(self, start: int, end: int) -> BlockBackend:
         dtype = self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
         stack = load_block_stack(self.model_path, start, end, dtype=dtype, device=self.device)
-        backend = BlockBackend(stack, self.device, next(stack.parameters()).dtype)
+        backend = BlockBackend(stack, self.device, next(stack.parameters()).dtype,
+                               pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
         key = f"{self.prefix}|{start}:{end}|{self.device.type}|{backend.dtype}"
         self.meter = block_throughput_meter(backend, key)
@@ -155,7 +157,7 @@ class Server:
             public_name=self.public_name,
             codec_version=codec.CODEC_VERSION,
             codecs=codec.LAYOUTS,
-            features=PROTOCOL_FEATURES,
+            features=PROTOCOL_FEATURES + (("tree_pruning",) if self.backend.pruner is not None else ()),
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
             planned_batch_size=self.planned[0] if self.planned else None,

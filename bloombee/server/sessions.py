@@ -39,6 +39,8 @@ class Session:
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_DEPTH))  # bounded: back-pressure
     last_active: float = field(default_factory=time.monotonic)
     held: SessionBytes = SessionBytes()  # what the session holds of the server's memory budget
+    trees: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # row -> (first slot, node ids) of its
+    # last tree, until the accepted nodes are known and compacted
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the session's tensors by device type: what `held` accounts for."""

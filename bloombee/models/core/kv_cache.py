@@ -9,6 +9,18 @@ import torch
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v, mask) -> out
 
 
+def compact_slots(tensor: torch.Tensor, slot_dim: int, start: int, keep: list[torch.Tensor], batch_offset: int = 0) -> None:
+    """In place, for each row r of rows [batch_offset, + len(keep)): move slots start + keep[r] (offsets, ascending)
+    to start, start + 1, ... along `slot_dim` (dimension 0 is the row). What lies after them is left as it was."""
+    for row, offsets in enumerate(keep):
+        if offsets.numel() == 0:
+            continue
+        target = tensor[batch_offset + row]
+        offsets = offsets.to(target.device, torch.long)
+        kept = target.index_select(slot_dim - 1, start + offsets)
+        target.narrow(slot_dim - 1, start, offsets.numel()).copy_(kept)
+
+
 class KVCache:
     """Keys and values of one block for a whole batch: tensors ``[batch, kv_heads, max_length, head_dim]``.
 
@@ -51,6 +63,11 @@ class KVCache:
         self.k[rows].index_copy_(2, cache_positions, k.to(self.k.dtype))
         self.v[rows].index_copy_(2, cache_positions, v.to(self.v.dtype))
         return self.k[rows, :, :length], self.v[rows, :, :length]
+
+    def compact(self, start: int, keep: list[torch.Tensor], batch_offset: int = 0) -> None:
+        """Keep slots start + keep[r] of each row at start, start + 1, ... (``compact_slots``)."""
+        compact_slots(self.k, 2, start, keep, batch_offset)
+        compact_slots(self.v, 2, start, keep, batch_offset)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_positions: torch.Tensor,
                batch_offset: int, mask: torch.Tensor, attention: Attention) -> torch.Tensor:

@@ -61,6 +61,11 @@ class OffloadedKVCache:
                 total[kind] = total.get(kind, 0) + size
         return total
 
+    def compact(self, start: int, keep: list[torch.Tensor], batch_offset: int = 0) -> None:
+        for part in (self.on_device, self.in_host):
+            if part is not None:
+                part.compact(start, keep, batch_offset)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_positions: torch.Tensor,
                batch_offset: int, mask: torch.Tensor, attention: Attention) -> torch.Tensor:
         query_heads = q.shape[1] * self.device_heads // self.num_kv_heads

@@ -1,0 +1,185 @@
+"""The draft model of tree speculative decoding, run locally with the package's own blocks and KV caches.
+
+Its caches follow the session's KV layout: the prompt at slots [0, T) (left padding masked), then
+each round's tree at slots [P, P + N) in node order, attending the row's committed slots and the
+node's ancestors, rope position = committed tokens of the row + depth. ``commit`` keeps each row's
+accepted path at [P, P + len_r), leaves holes (masked slots) up to P + advance and moves P there.
+Trees are built breadth-first, one depth level for all rows per forward pass: greedily (the
+top-w tokens of each node's distribution) or by i.i.d. sampling from the warped distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bloombee.loading import load_block_stack, load_client_head, load_model_config, resolve_model
+from bloombee.models.core.masks import causal_mask, rope_positions_from_padding
+from bloombee.speculative.tree import TokenTree, tree_mask
+from bloombee.speculative.verify import warp_probs
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One row's proposed tree and the draft's (warped) distribution [N, V] at each node."""
+
+    tree: TokenTree
+    probs: torch.Tensor
+
+
+def tree_size(widths: tuple[int, ...]) -> int:
+    """Nodes of a tree whose depth-d nodes have widths[d] children each: 1 + w0 + w0 * w1 + ..."""
+    size = level = 1
+    for width in widths:
+        level *= width
+        size += level
+    return size
+
+
+def tree_parents(widths: tuple[int, ...]) -> torch.Tensor:
+    """Parents [N] of that tree in breadth-first node order."""
+    parents, level = [-1], [0]
+    for width in widths:
+        first = len(parents)
+        parents += [node for node in level for _ in range(width)]
+        level = list(range(first, len(parents)))
+    return torch.tensor(parents, dtype=torch.long)
+
+
+class DraftModel:
+    """A small model proposing token trees; its KV caches mirror the target session's slot layout."""
+
+    def __init__(self, model: str = "bloombee-tiny-draft", dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        path = resolve_model(model)
+        num_layers = load_model_config(path).num_hidden_layers
+        self.stack = load_block_stack(path, 0, num_layers, dtype, device)
+        self.head = load_client_head(path, dtype, device)
+        self.device = self.head.device
+        self.caches, self.token_mask = [], None
+        self.max_length = self.max_tree_nodes = self.position = self.proposed_size = 0
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.token_mask is None else self.token_mask.shape[0]
+
+    @torch.inference_mode()
+    def start(self, batch_size: int, max_length: int, max_tree_nodes: int) -> None:
+        """Empty caches of max_length + max_tree_nodes slots per row; position 0."""
+        capacity = max_length + max_tree_nodes
+        self.caches = self.stack.new_caches(batch_size, capacity)
+        self.token_mask = torch.zeros(batch_size, capacity, dtype=torch.bool, device=self.device)
+        self.max_length, self.max_tree_nodes = max_length, max_tree_nodes
+        self.position = self.proposed_size = 0
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
+        """Write `input_ids` [b, T] (left padding False in `token_mask`) at slots [P, P + T) (P = 0 after start)."""
+        batch, length = input_ids.shape
+        self._check_rows(batch)
+        start, end = self.position, self.position + length
+        if end > self.max_length:
+            raise ValueError(f"prefill of {length} tokens at position {start} exceeds max_length {self.max_length}")
+        self.token_mask[:, start:end] = True if token_mask is None else token_mask.to(self.device, torch.bool)
+        key_padding = self.token_mask[:, :end]
+        cache_positions = torch.arange(start, end, device=self.device)
+        rope = rope_positions_from_padding(key_padding)[:, start:end]
+        mask = causal_mask(cache_positions, end, key_padding)
+        self.stack(self.head.embed(input_ids.to(self.device)), rope, self.caches, cache_positions, mask)
+        self.position, self.proposed_size = end, 0
+
+    @torch.inference_mode()
+    def propose(self, roots: torch.Tensor, widths: tuple[int, ...], sample: bool = False,
+                warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                generator: torch.Generator | None = None) -> list[DraftTree]:
+        """Each row's tree rooted at roots[r], written at slots [P, P + N): top-widths[d] children per depth-d node,
+        or (`sample`) widths[d] i.i.d. draws from warp(logits) (default softmax; `generator` on the model's device)."""
+        warp = warp or warp_probs
+        size = tree_size(widths)
+        self._check_rows(roots.shape[0])
+        self._check_tree_fits(size)
+        parents = tree_parents(widths)
+        mask = self._tree_mask(parents)
+        prefix_count = self.token_mask[:, :self.position].sum(-1)
+        level_tokens = roots.to(self.device, torch.long)[:, None]
+        tokens, probs, first = [], [], 0
+        for depth in range(len(widths) + 1):
+            end = first + level_tokens.shape[1]
+            logits = self._forward_level(level_tokens, depth, first, end, mask, prefix_count)
+            tokens.append(level_tokens)
+            probs.append(warp(logits))
+            if depth < len(widths):
+                level_tokens = self._children(logits, probs[-1], widths[depth], sample, generator)
+            first = end
+        self.proposed_size = size
+        return self._rows(torch.cat(tokens, 1), torch.cat(probs, 1), parents)
+
+    @torch.inference_mode()
+    def commit(self, keep: list[torch.Tensor], advance: int) -> None:
+        """Keep each row's accepted nodes (offsets keep[r], ascending, into the last tree) at [P, P + len_r), mask the
+        slots after them up to P + advance, and move P there."""
+        self._check_keep(keep, advance)
+        for cache in self.caches:
+            cache.compact(self.position, keep)
+        start = self.position
+        self.token_mask[:, start:start + self.proposed_size] = False
+        for row, offsets in enumerate(keep):
+            self.token_mask[row, start:start + offsets.numel()] = True
+        self.position, self.proposed_size = start + advance, 0
+
+    def _forward_level(self, level_tokens, depth, first, end, mask, prefix_count) -> torch.Tensor:
+        """Logits [b, n, V] of the depth-`depth` nodes [first, end), their KV written at slots P + [first, end)."""
+        start = self.position
+        cache_positions = torch.arange(start + first, start + end, device=self.device)
+        rope = (prefix_count + depth)[:, None].expand(-1, end - first)
+        hidden = self.stack(self.head.embed(level_tokens), rope, self.caches, cache_positions,
+                            mask[:, first:end, :start + end])
+        return self.head.logits(hidden)
+
+    @staticmethod
+    def _children(logits, probs, width, sample, generator) -> torch.Tensor:
+        """Tokens [b, n * width] of the next level: each node's `width` children, consecutive."""
+        batch, nodes, vocab = probs.shape
+        if sample:
+            drawn = torch.multinomial(probs.reshape(-1, vocab), width, replacement=True, generator=generator)
+            return drawn.reshape(batch, nodes * width)
+        return logits.topk(width, dim=-1).indices.reshape(batch, nodes * width)
+
+    def _tree_mask(self, parents: torch.Tensor) -> torch.Tensor:
+        """[b, N, P + N]: every row's nodes attend its committed slots and their ancestors."""
+        prefix_keys = self.token_mask[:, :self.position].cpu()
+        return tree_mask([parents] * self.batch_size, parents.numel(), prefix_keys).to(self.device)
+
+    @staticmethod
+    def _rows(tokens: torch.Tensor, probs: torch.Tensor, parents: torch.Tensor) -> list[DraftTree]:
+        tokens = tokens.cpu()
+        return [DraftTree(TokenTree(tokens[row], parents), probs[row]) for row in range(tokens.shape[0])]
+
+    def _check_rows(self, batch: int) -> None:
+        if self.token_mask is None:
+            raise ValueError("call start(batch_size, max_length, max_tree_nodes) first")
+        if batch != self.batch_size:
+            raise ValueError(f"expected {self.batch_size} rows (the started batch), got {batch}")
+
+    def _check_tree_fits(self, size: int) -> None:
+        if size > self.max_tree_nodes:
+            raise ValueError(f"a tree of {size} nodes exceeds max_tree_nodes {self.max_tree_nodes}")
+        if self.position > self.max_length:
+            raise ValueError(f"position {self.position} is past max_length {self.max_length}")
+
+    def _check_keep(self, keep: list[torch.Tensor], advance: int) -> None:
+        if self.proposed_size == 0:
+            raise ValueError("commit needs a proposed tree: call propose first")
+        if len(keep) != self.batch_size:
+            raise ValueError(f"keep must hold one tensor per row ({self.batch_size}), got {len(keep)}")
+        for row, offsets in enumerate(keep):
+            bad_range = offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) >= self.proposed_size)
+            if offsets.ndim != 1 or bad_range or bool((offsets[1:] <= offsets[:-1]).any()):
+                raise ValueError(f"keep[{row}] must be ascending node offsets in [0, {self.proposed_size}), "
+                                 f"got {offsets.tolist()}")
+        longest = max(offsets.numel() for offsets in keep)
+        if not longest <= advance <= self.proposed_size:
+            raise ValueError(f"advance must be between the longest kept path ({longest}) and the tree size "
+                             f"({self.proposed_size}), got {advance}")

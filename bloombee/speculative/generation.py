@@ -1,0 +1,198 @@
+"""Speculative generation through a swarm session: the draft proposes token trees, the chain computes them in one
+pass, the client verifies them with its LM head and commits the longest accepted path plus one token.
+
+Each row of a batch advances by its own accepted count; the session's slots advance by the longest,
+and the other rows' unused slots stay masked (holes). The first token comes from the prompt's step;
+every round's tree is rooted at the row's last committed token, which no model has computed yet.
+Greedy verification gives exactly plain greedy decoding; sampling uses multi-candidate rejection
+sampling, so tokens follow the target's distribution (pruning is off there: dropping candidates by
+their value would bias the rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bloombee.speculative.draft import DraftModel, tree_size
+from bloombee.speculative.switch import SpeculationSwitch, chain_bandwidths
+from bloombee.speculative.tree import PackedTrees, TokenTree, unpack_rows
+from bloombee.speculative.verify import verify_greedy, verify_sampling, warp_probs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WIDTHS = (4, 2, 2, 1)  # children per node at each depth: 1 + 4 + 8 + 16 + 16 = 45 nodes
+
+
+@dataclass
+class Sampling:
+    """How the next token is chosen: greedy, or sampled from the warped distribution."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of `logits` [b, V]."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
+
+
+@dataclass
+class RoundStats:
+    """What speculation did over a generation: rounds, committed tokens and tree nodes sent per hop."""
+
+    tree_rounds: int = 0
+    plain_rounds: int = 0
+    accepted: list[int] = field(default_factory=list)  # tokens committed per row per tree round
+    nodes_proposed: list[int] = field(default_factory=list)  # tree nodes per tree round (all rows)
+    nodes_per_hop: list[list[int]] = field(default_factory=list)  # per tree round, the nodes each server sent on
+    completed_at: list[float] = field(default_factory=list)  # seconds from the start when each row finished
+
+
+class SpeculativeGenerator:
+    """Runs one generate() call of `model` with `draft` in a session of its own."""
+
+    def __init__(self, model, draft: DraftModel, widths: tuple[int, ...] = DEFAULT_WIDTHS,
+                 prune_tau: float | None = None, switch: SpeculationSwitch | None = None, streamer=None):
+        self.model, self.draft, self.widths = model, draft, tuple(widths)
+        self.prune_tau, self.switch = prune_tau, switch or SpeculationSwitch("on")
+        self.streamer = streamer  # transformers-style: put(tokens [1, n]) as row 0's tokens come, end() at the end
+        self.stats = RoundStats()
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+                 sampling: Sampling, eos_token_id: int | None, pad_token_id: int | None) -> torch.Tensor:
+        """The sequences [b, T + new]: prompt, generated tokens, and after a row's end of sequence its padding."""
+        batch = input_ids.shape[0]
+        room = tree_size(self.widths)
+        began = time.perf_counter()
+        with self.model.remote.inference_session(input_ids.shape[1] + max_new_tokens + room, batch) as session:
+            logits = self._logits(session.step(self.model.head.embed(input_ids), attention_mask))[:, -1]
+            generated = [[int(token)] for token in sampling.choose(logits)]
+            self._stream(input_ids[:1])
+            self._stream(torch.tensor([generated[0]]))
+            done = [self._finished(row, max_new_tokens, eos_token_id) for row in generated]
+            self._mark_done(done, [False] * batch, began)
+            self.draft.start(batch, session.max_length, room)
+            self.draft.prefill(input_ids, attention_mask)
+            while not all(done):
+                self.switch.bandwidths = chain_bandwidths(session.link_bandwidth,
+                                                          [span.record.link_bandwidth for span in session.spans])
+                roots = torch.tensor([row[-1] for row in generated])
+                if self.switch.speculate():
+                    new_tokens = self._tree_round(session, roots, done, sampling, max_new_tokens - min(
+                        len(row) for row, finished in zip(generated, done) if not finished))
+                else:
+                    new_tokens = self._plain_round(session, roots, sampling)
+                was_done = list(done)
+                for row, tokens in enumerate(new_tokens):
+                    if not done[row]:
+                        generated[row].extend(tokens)
+                        done[row] = self._finished(generated[row], max_new_tokens, eos_token_id)
+                if not was_done[0]:
+                    self._stream(torch.tensor([new_tokens[0]]))
+                self._mark_done(done, was_done, began)
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._sequences(input_ids, generated, max_new_tokens, eos_token_id, pad_token_id)
+
+    def _stream(self, tokens: torch.Tensor) -> None:
+        if self.streamer is not None:
+            self.streamer.put(tokens)
+
+    def _tree_round(self, session, roots: torch.Tensor, done: list[bool], sampling: Sampling,
+                    tokens_left: int) -> list[list[int]]:
+        """One speculative round: the tokens each row commits after its root."""
+        widths = self._widths_that_fit(session, tokens_left)
+        began = time.perf_counter()
+        proposed = self.draft.propose(roots, widths, sample=sampling.do_sample, warp=sampling.probs,
+                                      generator=sampling.generator)
+        trees = [TokenTree(tree.tree.tokens[:1], tree.tree.parents[:1]) if finished else tree.tree
+                 for tree, finished in zip(proposed, done)]
+        draft_s = time.perf_counter() - began
+        packed = PackedTrees.of(trees)
+        hidden = self.model.head.embed(packed.tokens)
+        tau = None if sampling.do_sample else self.switch.prune_tau(self.prune_tau)
+        out, kept = session.tree_step(hidden, packed, tau)
+        logits = self._logits(out)
+        accepted_ids, new_tokens = [], []
+        for row, (row_logits, (parents, tokens, ids)) in enumerate(zip(unpack_rows(logits, kept.offsets), kept.rows())):
+            tree = TokenTree(tokens, parents)
+            if sampling.do_sample:
+                path, bonus = verify_sampling(tree, sampling.probs(row_logits), proposed[row].probs[ids].cpu(),
+                                              sampling.generator)
+            else:
+                path, bonus = verify_greedy(tree, row_logits)
+            accepted_ids.append(ids[path])
+            new_tokens.append(tokens[path[1:]].tolist() + [bonus])
+        session.commit_tree(accepted_ids)
+        self.draft.commit(accepted_ids, max(ids.numel() for ids in accepted_ids))
+        self._record_tree_round(session, packed, new_tokens, done, draft_s)
+        return new_tokens
+
+    def _plain_round(self, session, roots: torch.Tensor, sampling: Sampling) -> list[list[int]]:
+        """One ordinary decode step (the draft takes the root too, so it stays in step)."""
+        self.draft.propose(roots, ())
+        self.draft.commit([torch.zeros(1, dtype=torch.long)] * roots.shape[0], 1)
+        began = time.perf_counter()
+        logits = self._logits(session.step(self.model.head.embed(roots[:, None])))[:, -1]
+        self.switch.observe_plain(time.perf_counter() - began, session.last_step)
+        self.stats.plain_rounds += 1
+        return [[int(token)] for token in sampling.choose(logits)]
+
+    def _record_tree_round(self, session, packed: PackedTrees, new_tokens: list[list[int]], done: list[bool],
+                           draft_s: float) -> None:
+        step = session.last_step
+        live = [len(tokens) for tokens, finished in zip(new_tokens, done) if not finished]
+        self.stats.tree_rounds += 1
+        self.stats.accepted.extend(live)
+        self.stats.nodes_proposed.append(packed.parents.numel())
+        self.stats.nodes_per_hop.append([report.nodes for report in step.reports])
+        self.switch.observe_tree(step.total_s, draft_s, sum(live) / max(len(live), 1), step)
+
+    def _widths_that_fit(self, session, tokens_left: int) -> tuple[int, ...]:
+        """The configured widths cut to the depth worth proposing (no deeper than the tokens still wanted) and to
+        the slots left in the session."""
+        widths = self.switch.widths(self.widths)[:max(tokens_left - 1, 0)]
+        while widths and session.position + tree_size(widths) > session.max_length:
+            widths = widths[:-1]
+        return widths
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.head
+        return head.logits(hidden.to(next(head.parameters()).dtype)).float()
+
+    @staticmethod
+    def _finished(row: list[int], max_new_tokens: int, eos_token_id: int | None) -> bool:
+        return len(row) >= max_new_tokens or (eos_token_id is not None and eos_token_id in row)
+
+    def _mark_done(self, done: list[bool], was_done: list[bool], began: float) -> None:
+        elapsed = time.perf_counter() - began
+        self.stats.completed_at.extend(elapsed for now, before in zip(done, was_done) if now and not before)
+
+    @staticmethod
+    def _sequences(input_ids: torch.Tensor, generated: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
+                   pad_token_id: int | None) -> torch.Tensor:
+        """Each row cut after its end of sequence (or at max_new_tokens), padded to the longest row."""
+        rows = []
+        for tokens in generated:
+            tokens = tokens[:max_new_tokens]
+            if eos_token_id is not None and eos_token_id in tokens:
+                tokens = tokens[:tokens.index(eos_token_id) + 1]
+            rows.append(tokens)
+        longest = max(len(tokens) for tokens in rows)
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        new = torch.full((len(rows), longest), pad, dtype=input_ids.dtype)
+        for index, tokens in enumerate(rows):
+            new[index, :len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+        return torch.cat([input_ids, new], dim=1)

@@ -1,0 +1,160 @@
+"""When speculation pays: the break-even bandwidth S* of the paper's equation 8, from measured rounds.
+
+A plain round commits one token per row in time F_plain + K_plain / S; a tree round commits a tokens
+per row (its acceptance) in F_tree + K_tree / S, plus the draft's time c. F is the round's time apart
+from moving bytes over the links, K the bytes it moves, each hop's bytes weighted by how much
+slower that hop's link is than the slowest, S the slowest link's bandwidth. Speculation is faster
+exactly when S > S* = (K_tree - a K_plain) / (a F_plain - F_tree - c): the paper's equation 8, with
+the hops, compute and latency measured rather than modelled.
+
+With mode ``auto`` the switch measures a few plain rounds, then tries the configured tree; while
+S <= S* it shrinks the tree (narrower widths, a higher pruning threshold) and tries again, and
+when the smallest tree loses too it decodes plainly, trying the trees again every
+``recheck_rounds`` rounds. Each decision is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from bloombee.codec.policy import Ewma
+
+logger = logging.getLogger(__name__)
+
+PLAIN_PROBES = 2  # plain rounds measured before the first tree
+TREE_PROBES = 3  # rounds a tree size is measured before it is judged
+SHRINK_TAU = (None, 0.3, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
+
+
+def shrunk(widths: tuple[int, ...], level: int) -> tuple[int, ...]:
+    """The widths at shrink level `level`: 0 as configured, 1 each width halved, 2 a single chain."""
+    if level == 0:
+        return widths
+    if level == 1:
+        return tuple(max(1, width // 2) for width in widths)
+    return (1,) * len(widths)
+
+
+def hop_weighted_bytes(step, bandwidths: list[float]) -> float:
+    """Bytes a step moved over each hop (client to first server, ..., last server to client), each weighted by the
+    slowest link's bandwidth over that hop's: the bytes it would take the slowest link as long to move."""
+    sent = [step.sent_wire_bytes] + [report.wire_bytes for report in step.reports]
+    slowest = min(bandwidths)
+    return sum(size * slowest / bandwidth for size, bandwidth in zip(sent, bandwidths))
+
+
+def chain_bandwidths(client: float, servers: list[float]) -> list[float]:
+    """Each hop's bandwidth (bytes/s): client to the first server, server to server, last server to the client."""
+    ends = [client] + servers + [client]
+    return [min(sender, receiver) for sender, receiver in zip(ends[:-1], ends[1:])]
+
+
+def break_even_bandwidth(penalty: float, saving: float) -> float:
+    """S* (bytes/s) of equation 8 for the extra bytes per committed token's worth of rounds (`penalty`, K_tree -
+    a K_plain) and the time saved apart from transfers (`saving`, a F_plain - F_tree - c): speculation is faster on
+    links faster than S* (inf: on none, 0: on all)."""
+    if saving <= 0:
+        return math.inf
+    return max(penalty / saving, 0.0)
+
+
+@dataclass
+class Measured:
+    """Running averages of one kind of round: time apart from transfers, weighted bytes, draft time, acceptance."""
+
+    fixed: Ewma
+    weighted_bytes: Ewma
+    draft_s: Ewma
+    accepted: Ewma
+    rounds: int = 0
+
+    @classmethod
+    def new(cls) -> Measured:
+        return cls(*(Ewma(0.3, None) for _ in range(4)))
+
+
+class SpeculationSwitch:
+    """Decides each round whether to speculate and with which tree: mode 'on', 'off' or 'auto' (measured S*)."""
+
+    def __init__(self, mode: str = "auto", bandwidths: list[float] | None = None, recheck_rounds: int = 32):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"speculation mode must be auto, on or off, got {mode!r}")
+        self.mode, self.recheck_rounds = mode, recheck_rounds
+        self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
+        self.level, self.plain = 0, Measured.new()
+        self.trees = [Measured.new() for _ in SHRINK_TAU]
+        self.rounds_since_check = 0
+        self.decision: str | None = None
+        self.last_break_even: float | None = None
+
+    @property
+    def slowest(self) -> float:
+        return min(self.bandwidths) if self.bandwidths else math.inf
+
+    def speculate(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        if self.plain.rounds < PLAIN_PROBES:
+            return False
+        if self.level >= len(SHRINK_TAU):
+            self.rounds_since_check += 1
+            if self.rounds_since_check >= self.recheck_rounds:
+                self.level, self.rounds_since_check = 0, 0
+                self.trees = [Measured.new() for _ in SHRINK_TAU]
+                self._decide("rechecking speculation after plain decoding")
+            else:
+                return False
+        return True
+
+    def widths(self, configured: tuple[int, ...]) -> tuple[int, ...]:
+        return shrunk(configured, min(self.level, len(SHRINK_TAU) - 1))
+
+    def prune_tau(self, configured: float | None) -> float | None:
+        tau = SHRINK_TAU[min(self.level, len(SHRINK_TAU) - 1)]
+        return configured if tau is None or configured is None else max(configured, tau)
+
+    def observe_plain(self, seconds: float, step) -> None:
+        self._observe(self.plain, seconds, step, 0.0, 1.0)
+
+    def observe_tree(self, seconds: float, draft_s: float, accepted: float, step) -> None:
+        measured = self.trees[min(self.level, len(SHRINK_TAU) - 1)]
+        self._observe(measured, seconds, step, draft_s, accepted)
+        if self.mode == "auto" and measured.rounds >= TREE_PROBES:
+            self._judge(measured)
+
+    def _observe(self, measured: Measured, seconds: float, step, draft_s: float, accepted: float) -> None:
+        weighted = hop_weighted_bytes(step, self.bandwidths) if self.bandwidths else 0.0
+        measured.fixed.update(seconds - weighted / self.slowest)
+        measured.weighted_bytes.update(weighted)
+        measured.draft_s.update(draft_s)
+        measured.accepted.update(accepted)
+        measured.rounds += 1
+
+    def _judge(self, tree: Measured) -> None:
+        """Keep this tree while it is faster than plain decoding (S > S*), else shrink it, or stop speculating after
+        the smallest."""
+        plain, accepted = self.plain, tree.accepted.value
+        penalty = tree.weighted_bytes.value - accepted * plain.weighted_bytes.value
+        saving = accepted * plain.fixed.value - tree.fixed.value - tree.draft_s.value
+        self.last_break_even = break_even_bandwidth(penalty, saving)
+        pays = penalty / self.slowest < saving
+        described = (f"S = {self.slowest * 8 / 1e6:.1f} Mbit/s, S* = {self.last_break_even * 8 / 1e6:.1f} Mbit/s, "
+                     f"{accepted:.2f} tokens per round")
+        if pays:
+            self._decide(f"speculating with tree level {self.level}: {described}")
+            return
+        self.level += 1
+        if self.level < len(SHRINK_TAU):
+            self._decide(f"shrinking the tree to level {self.level}: {described}")
+        else:
+            self.rounds_since_check = 0
+            self._decide(f"decoding without speculation: {described}")
+
+    def _decide(self, text: str) -> None:
+        """Log a decision once (not again while it stays the same)."""
+        kind = text.split(":")[0]
+        if kind != self.decision:
+            logger.info("Speculation: %s", text)
+            self.decision = kind
