@@ -83,11 +83,14 @@ class ClientSettings(BaseModel):
                                                       "it saves time on that link), on or off")
     micro_batches: Literal["auto"] | int = Field("auto", description="micro-batches per step: auto (the planner's "
                                                  "model of the chain decides) or a count; 1 = off")
+    draft_model: str = Field("auto", description="draft model for speculative decoding: auto (the one the model's "
+                             "generation config names as bloombee_draft_model, if any: bloombee-tiny names "
+                             "bloombee-tiny-draft), none, or a model name, folder or hub id")
     speculation: Literal["auto", "on", "off"] = Field("auto", description="with a draft model: speculate in every "
                                                       "round (on), never (off), or while it is faster than plain "
                                                       "decoding on the measured links (auto: the break-even bandwidth)")
-    draft_widths: str = Field("4,2,2,1", description="children of each node of the draft tree at each depth, "
-                              "comma-separated (4,2,2,1: 45 nodes)")
+    draft_widths: str = Field("2,2,1,1", description="children of each node of the draft tree at each depth, "
+                              "comma-separated (2,2,1,1: 15 nodes)")
     prune_tau: float = Field(0.2, ge=0.0, description="the first server drops draft-tree candidates whose keep score "
                              "is below this, with their descendants (0 = no pruning; greedy decoding only)")
     verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "

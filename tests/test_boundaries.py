@@ -14,6 +14,7 @@ FORBIDDEN = {
     "protocol": ("bloombee.client", "bloombee.server"),
     "codec": ("bloombee.client", "bloombee.server", "bloombee.protocol", "hivemind"),
     "models": ("bloombee.client", "bloombee.server", "bloombee.dht", "hivemind"),
+    "speculative": ("bloombee.client", "bloombee.server", "bloombee.dht", "bloombee.protocol", "hivemind"),
 }
 
 

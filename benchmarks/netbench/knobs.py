@@ -43,6 +43,9 @@ OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
                  (), (), {"compression": "on"}, {"compression": "off"}),
     Optimisation("micro_batching", "steps split into micro-batches that pipeline along the chain",
                  (), (), {"micro_batches": 4}, {"micro_batches": 1}, value_setting="micro_batches"),
+    Optimisation("speculative", "draft-tree speculative decoding with the model's draft (bloombee-tiny-draft for "
+                 "bloombee-tiny), pruned at the first server; auto = only while faster than plain decoding (S > S*)",
+                 (), (), {"speculation": "on"}, {"speculation": "off"}, value_setting="speculation", value_type=str),
     Optimisation("offload", "a share of each block's KV cache in host memory: auto = the planner's smallest alpha that "
                  "fits --cache-tokens in --device-memory", ("--offload", "auto"), ("--offload", "0"),
                  value_flag="--offload", value_type=float, passive=True),

@@ -10,6 +10,9 @@ original stdout (everything else the process prints goes to stderr, i.e. its log
   and the LM head itself). Before the prefill, before the first decode step and after the last
   one it writes ``{"event": "mark", ...}`` and waits for ``{"cmd": "continue"}``: the harness
   reads the interface counters there;
+- ``speculate``: ``model.generate`` of ``new_tokens`` greedy tokens per row, plain or with the draft model
+  (``generate`` keyword arguments as given: ``speculation``, ``prune_tau``, ``draft_widths``), after one
+  warm-up call: its wall time, the speculation's round statistics and each row's completion time;
 - ``quit``.
 """
 
@@ -27,7 +30,7 @@ logger = logging.getLogger("benchmarks.netbench.worker")
 
 ROOT = Path(__file__).resolve().parents[2]
 EVAL_TEXT = ROOT / "bloombee" / "assets" / "eval" / "heldout_sample.txt"
-COMMANDS = ("init", "wait_online", "run")
+COMMANDS = ("init", "wait_online", "run", "speculate")
 
 
 class Channel:
@@ -141,6 +144,26 @@ class Workload:
         return {"steps": steps, "chain": chain, "generation_s": wall, "warmup_s": warmup_s, "prompt_source": source,
                 "torch_threads": torch.get_num_threads(), "client_settings": settings,
                 "client_cpu": client_cpu_share()}
+
+    def speculate(self, allowed: list[str], settings: dict[str, Any], batch: int, prompt_len: int, new_tokens: int,
+                  generate: dict[str, Any], seed: int = 0) -> dict:
+        import torch
+
+        model = self._model(allowed, settings)
+        ids, source = self.prompt_ids(batch, prompt_len, seed)
+        kwargs = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": None, **generate}
+        model.generate(ids, **{**kwargs, "max_new_tokens": 4})
+        model.last_speculation = None
+        began = time.perf_counter()
+        output = model.generate(ids, **kwargs)
+        wall = time.perf_counter() - began
+        stats = model.last_speculation
+        rounds = {} if stats is None else {
+            "tree_rounds": stats.tree_rounds, "plain_rounds": stats.plain_rounds, "accepted": stats.accepted,
+            "nodes_proposed": stats.nodes_proposed, "nodes_per_hop": stats.nodes_per_hop,
+            "completed_at": stats.completed_at}
+        return {"wall_s": wall, "new_tokens": int(output.shape[1] - ids.shape[1]) * batch, "prompt_source": source,
+                "output": output[:, ids.shape[1]:].tolist(), "torch_threads": torch.get_num_threads(), **rounds}
 
     # -- the generation loop -----------------------------------------------------------------
 

@@ -109,15 +109,24 @@ def generate(args: argparse.Namespace) -> None:
     if args.stream and tokenizer is not None:
         print(args.prompt if args.prompt else "", end="", flush=True)
     began = time.perf_counter()
-    with model.inference_session(max_length=max_length) as session:
-        output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                                pad_token_id=getattr(tokenizer, "pad_token_id", None), **sampling)
-        chain = " -> ".join(f"{span.record.public_name or span.peer_id[-8:]}[{span.start}:{span.end}]" for span in session.spans)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=getattr(tokenizer, "pad_token_id", None),
+                  **sampling)
+    draft = model.settings_draft()
+    if draft is not None:  # speculative generation opens its own session
+        output = model.generate(input_ids, draft_model=draft, **kwargs)
+        stats = model.last_speculation
+        chain = (f"{stats.tree_rounds} draft-tree rounds ({sum(stats.accepted) / max(len(stats.accepted), 1):.2f} "
+                 f"tokens each), {stats.plain_rounds} plain")
+    else:
+        with model.inference_session(max_length=max_length) as session:
+            output = model.generate(input_ids, **kwargs)
+            chain = "servers: " + " -> ".join(f"{span.record.public_name or span.peer_id[-8:]}[{span.start}:{span.end}]"
+                                              for span in session.spans)
     seconds = time.perf_counter() - began
     new_ids = output[0, input_ids.shape[1]:]
     if not args.stream:
         print(tokenizer.decode(output[0], skip_special_tokens=True) if tokenizer else " ".join(map(str, output[0].tolist())))
-    print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, servers: {chain}]", file=sys.stderr)
+    print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, {chain}]", file=sys.stderr)
 
 
 def read_statuses(args: argparse.Namespace) -> list:

@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -17,7 +18,8 @@ from bloombee.client.session import InferenceSession
 from bloombee.dht.peers import start_dht
 from bloombee.loading import dht_prefix, load_client_head, load_model_config, resolve_model
 from bloombee.settings import ClientSettings, load_settings
-from bloombee.speculative.api import speculative_generate
+from bloombee.speculative.api import ACCEPTED, load_draft, speculative_generate
+from bloombee.speculative.draft import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: PretrainedConfig, head: torch.nn.Module, remote: RemoteSequential):
         super().__init__(config)
         self.head, self.remote = head, remote
+        self._drafts = threading.local()  # default draft models by name, one copy per thread
         self._active: contextvars.ContextVar[_ActiveSession | None] = contextvars.ContextVar(f"bloombee_session_{id(self)}",
                                                                                           default=None)
 
@@ -118,6 +121,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("speculative generation takes keyword arguments only and opens its own session: "
                                  "call it outside `with model.inference_session(...)`")
             return speculative_generate(self, input_ids, draft, **kwargs)
+        draft = self._default_draft(args, kwargs)
+        if draft is not None:
+            return speculative_generate(self, input_ids, draft, **kwargs)
         kwargs["use_cache"] = False
         if self._active.get() is None:
             new_tokens = kwargs.get("max_new_tokens") or (self.generation_config.max_new_tokens or 0)
@@ -125,6 +131,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0]):
                 return self._generate_in_session(input_ids, *args, **kwargs)
         return self._generate_in_session(input_ids, *args, **kwargs)
+
+    def settings_draft(self) -> DraftModel | None:
+        """The draft model the draft_model setting names (auto: the one the model's generation config names, if
+        any); this thread's copy, loaded once."""
+        name = self.remote.settings.draft_model
+        if name == "auto":
+            name = getattr(self.generation_config, "bloombee_draft_model", None)
+        if not name or name == "none":
+            return None
+        drafts = self._drafts.__dict__
+        if name not in drafts:
+            drafts[name] = load_draft(name, self)
+        return drafts[name]
+
+    def _default_draft(self, args: tuple, kwargs: dict) -> DraftModel | None:
+        """The settings' draft, for a call speculation can run: no active session, only arguments it takes."""
+        if args or self._active.get() is not None or set(kwargs) - ACCEPTED or (kwargs.get("num_beams") or 1) > 1:
+            return None
+        return self.settings_draft()
 
     def _generate_in_session(self, input_ids: torch.Tensor, *args, **kwargs):
         active = self._active.get()

@@ -355,6 +355,9 @@ class InferenceSession:
         if trees.num_rows != self.batch_size or hidden.ndim != 2 or hidden.shape != (trees.parents.numel(), self.hidden_size):
             raise ValueError(f"a tree step takes {self.batch_size} trees and their nodes' hidden states "
                              f"[nodes, {self.hidden_size}], got {trees.num_rows} trees and {list(hidden.shape)}")
+        if int(trees.offsets[0]) != 0 or int(trees.offsets[-1]) != trees.parents.numel():  # else nodes would be cut off
+            raise ValueError(f"tree offsets must run from 0 to the {trees.parents.numel()} nodes given, "
+                             f"got {trees.offsets.tolist()[:16]}")
         if not all("tree_steps" in stream.span.record.features for stream in self.streams):
             raise RuntimeError("a server of this chain does not announce tree steps (feature 'tree_steps')")
         start, width = self.position, max(trees.counts)

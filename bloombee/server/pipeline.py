@@ -176,13 +176,11 @@ class SessionPipeline:
         duplicate = key in self.applied
         try:
             began, compute_at = time.perf_counter(), time.time()
-            if header.compact_start is not None:
-                await self.servicer.run_compute(self.servicer.backend.compact, self.session, header.compact_start,
-                                                header.batch_offset, compact_ids(tensors))
+            compaction = None if header.compact_start is None else (header.compact_start, compact_ids(tensors))
             if "tree_parents" in tensors:
-                header, sent_on = await self._tree_step(header, tensors)
+                header, sent_on = await self._tree_step(header, tensors, compaction)
             else:
-                sent_on = {"hidden": await self._linear_step(header, tensors, duplicate)}
+                sent_on = {"hidden": await self._linear_step(header, tensors, duplicate, compaction)}
                 if header.route:
                     sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
             self._remember(key)
@@ -201,25 +199,41 @@ class SessionPipeline:
                            duplicate=duplicate, nodes=sent_on["hidden"].shape[0] if "tree_ids" in sent_on else 0)
         return ComputedStep(header, sent_on, report)
 
-    async def _linear_step(self, header: StepHeader, tensors: dict[str, torch.Tensor], duplicate: bool) -> torch.Tensor:
+    async def _linear_step(self, header: StepHeader, tensors: dict[str, torch.Tensor], duplicate: bool,
+                           compaction: tuple[int, list[torch.Tensor]] | None) -> torch.Tensor:
         """A step of consecutive tokens; one that came before is not computed again."""
         step_args = (header.start_position, header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
         if duplicate:
+            if compaction is not None:
+                await self.servicer.run_compute(self._compact, header, compaction)
             self.servicer.backend.check_step(self.session, tensors["hidden"], *step_args)
             return self._earlier_output(header, tensors["hidden"])
-        return await self.servicer.run_compute(self._timed_step, tensors["hidden"], *step_args)
+        return await self.servicer.run_compute(self._after_compaction, header, compaction, self._timed_step,
+                                               tensors["hidden"], *step_args)
 
-    async def _tree_step(self, header: StepHeader, tensors: dict[str, torch.Tensor]) -> tuple[StepHeader, dict]:
+    async def _tree_step(self, header: StepHeader, tensors: dict[str, torch.Tensor],
+                         compaction: tuple[int, list[torch.Tensor]] | None) -> tuple[StepHeader, dict]:
         """A step of token trees (one that comes again writes the same slots again); the header sent on, without
         the pruning threshold once this server pruned, and the outputs with their trees."""
         trees = PackedTrees.from_tensors(tensors)
-        out, kept = await self.servicer.run_compute(self.servicer.backend.tree_step, self.session, tensors["hidden"],
+        out, kept = await self.servicer.run_compute(self._after_compaction, header, compaction,
+                                                    self.servicer.backend.tree_step, self.session, tensors["hidden"],
                                                     header.start_position, header.batch_offset, trees, header.prune_tau)
         if kept is not trees:
             header = header.model_copy(update={"prune_tau": None})
             logger.debug("Session %s: pruned %d tree nodes to %d", self.session.session_id, trees.parents.numel(),
                          kept.parents.numel())
         return header, {"hidden": out, **kept.tensors()}
+
+    def _after_compaction(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]] | None, fn, *args):
+        """In the compute thread: the previous tree's compaction, if the step carries one, then `fn(*args)`; so the
+        step never reads a cache that is not yet compacted."""
+        if compaction is not None:
+            self._compact(header, compaction)
+        return fn(*args)
+
+    def _compact(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]]) -> None:
+        self.servicer.backend.compact(self.session, compaction[0], header.batch_offset, compaction[1])
 
     def _timed_step(self, hidden: torch.Tensor, *step_args) -> torch.Tensor:
         """The backend's step (in the compute thread), its compute time counted towards the announced throughput."""

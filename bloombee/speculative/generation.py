@@ -24,7 +24,15 @@ from bloombee.speculative.verify import verify_greedy, verify_sampling, warp_pro
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WIDTHS = (4, 2, 2, 1)  # children per node at each depth: 1 + 4 + 8 + 16 + 16 = 45 nodes
+DEFAULT_WIDTHS = (2, 2, 1, 1)  # children per node at each depth: 1 + 2 + 4 + 4 + 4 = 15 nodes
+
+
+def cut(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """A row's generated tokens up to max_new_tokens and its first end of sequence."""
+    tokens = tokens[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in tokens:
+        tokens = tokens[:tokens.index(eos_token_id) + 1]
+    return tokens
 
 
 @dataclass
@@ -76,31 +84,33 @@ class SpeculativeGenerator:
         batch = input_ids.shape[0]
         room = tree_size(self.widths)
         began = time.perf_counter()
-        with self.model.remote.inference_session(input_ids.shape[1] + max_new_tokens + room, batch) as session:
+        holes = max_new_tokens if batch > 1 else 0  # slots rows that accept less than the longest path leave unused
+        with self.model.remote.inference_session(input_ids.shape[1] + max_new_tokens + room + holes, batch) as session:
             logits = self._logits(session.step(self.model.head.embed(input_ids), attention_mask))[:, -1]
             generated = [[int(token)] for token in sampling.choose(logits)]
             self._stream(input_ids[:1])
-            self._stream(torch.tensor([generated[0]]))
+            streamed = self._stream_new(generated[0], 0, max_new_tokens, eos_token_id)
             done = [self._finished(row, max_new_tokens, eos_token_id) for row in generated]
             self._mark_done(done, [False] * batch, began)
-            self.draft.start(batch, session.max_length, room)
-            self.draft.prefill(input_ids, attention_mask)
+            draft_in_step = False
             while not all(done):
                 self.switch.bandwidths = chain_bandwidths(session.link_bandwidth,
                                                           [span.record.link_bandwidth for span in session.spans])
                 roots = torch.tensor([row[-1] for row in generated])
-                if self.switch.speculate():
+                if self.switch.speculate() and all("tree_steps" in span.record.features for span in session.spans):
+                    if not draft_in_step:
+                        self._prefill_draft(session, input_ids, attention_mask, generated, room)
+                        draft_in_step = True
                     new_tokens = self._tree_round(session, roots, done, sampling, max_new_tokens - min(
                         len(row) for row, finished in zip(generated, done) if not finished))
                 else:
-                    new_tokens = self._plain_round(session, roots, sampling)
+                    new_tokens, draft_in_step = self._plain_round(session, roots, sampling), False
                 was_done = list(done)
                 for row, tokens in enumerate(new_tokens):
                     if not done[row]:
                         generated[row].extend(tokens)
                         done[row] = self._finished(generated[row], max_new_tokens, eos_token_id)
-                if not was_done[0]:
-                    self._stream(torch.tensor([new_tokens[0]]))
+                streamed = self._stream_new(generated[0], streamed, max_new_tokens, eos_token_id)
                 self._mark_done(done, was_done, began)
         if self.streamer is not None:
             self.streamer.end()
@@ -110,11 +120,18 @@ class SpeculativeGenerator:
         if self.streamer is not None:
             self.streamer.put(tokens)
 
+    def _stream_new(self, row: list[int], streamed: int, max_new_tokens: int, eos_token_id: int | None) -> int:
+        """Stream row 0's tokens after the first `streamed`, up to its end; how many are streamed now."""
+        kept = cut(row, max_new_tokens, eos_token_id)
+        if len(kept) > streamed:
+            self._stream(torch.tensor([kept[streamed:]]))
+        return max(len(kept), streamed)
+
     def _tree_round(self, session, roots: torch.Tensor, done: list[bool], sampling: Sampling,
                     tokens_left: int) -> list[list[int]]:
         """One speculative round: the tokens each row commits after its root."""
         widths = self._widths_that_fit(session, tokens_left)
-        began = time.perf_counter()
+        began = round_began = time.perf_counter()
         proposed = self.draft.propose(roots, widths, sample=sampling.do_sample, warp=sampling.probs,
                                       generator=sampling.generator)
         trees = [TokenTree(tree.tree.tokens[:1], tree.tree.parents[:1]) if finished else tree.tree
@@ -137,34 +154,50 @@ class SpeculativeGenerator:
             new_tokens.append(tokens[path[1:]].tolist() + [bonus])
         session.commit_tree(accepted_ids)
         self.draft.commit(accepted_ids, max(ids.numel() for ids in accepted_ids))
-        self._record_tree_round(session, packed, new_tokens, done, draft_s)
+        self._record_tree_round(session, packed, new_tokens, done, draft_s, time.perf_counter() - round_began)
         return new_tokens
 
+    def _prefill_draft(self, session, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       generated: list[list[int]], room: int) -> None:
+        """Start the draft on each row's committed tokens but the last (each tree's root), left-padded."""
+        prompt_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        rows = [torch.cat([input_ids[row][prompt_mask[row]], torch.tensor(tokens[:-1], dtype=input_ids.dtype)])
+                for row, tokens in enumerate(generated)]
+        longest = max(row.numel() for row in rows)
+        ids = torch.zeros(len(rows), longest, dtype=input_ids.dtype)
+        mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+        for index, row in enumerate(rows):
+            ids[index, longest - row.numel():], mask[index, longest - row.numel():] = row, True
+        self.draft.start(len(rows), session.max_length, room)
+        self.draft.prefill(ids, mask)
+
     def _plain_round(self, session, roots: torch.Tensor, sampling: Sampling) -> list[list[int]]:
-        """One ordinary decode step (the draft takes the root too, so it stays in step)."""
-        self.draft.propose(roots, ())
-        self.draft.commit([torch.zeros(1, dtype=torch.long)] * roots.shape[0], 1)
+        """One ordinary decode step (the draft is not run: it is started again before the next tree)."""
         began = time.perf_counter()
         logits = self._logits(session.step(self.model.head.embed(roots[:, None])))[:, -1]
+        new_tokens = [[int(token)] for token in sampling.choose(logits)]
         self.switch.observe_plain(time.perf_counter() - began, session.last_step)
         self.stats.plain_rounds += 1
-        return [[int(token)] for token in sampling.choose(logits)]
+        return new_tokens
 
     def _record_tree_round(self, session, packed: PackedTrees, new_tokens: list[list[int]], done: list[bool],
-                           draft_s: float) -> None:
+                           draft_s: float, round_s: float) -> None:
         step = session.last_step
         live = [len(tokens) for tokens, finished in zip(new_tokens, done) if not finished]
         self.stats.tree_rounds += 1
         self.stats.accepted.extend(live)
         self.stats.nodes_proposed.append(packed.parents.numel())
         self.stats.nodes_per_hop.append([report.nodes for report in step.reports])
-        self.switch.observe_tree(step.total_s, draft_s, sum(live) / max(len(live), 1), step)
+        self.switch.observe_tree(round_s - draft_s, draft_s, sum(live) / max(len(live), 1), step)
 
     def _widths_that_fit(self, session, tokens_left: int) -> tuple[int, ...]:
-        """The configured widths cut to the depth worth proposing (no deeper than the tokens still wanted) and to
-        the slots left in the session."""
+        """The configured widths cut to the depth worth proposing (no deeper than the most tokens a row still
+        wants) and to the session's free slots: the tree must fit, and leave a slot for each token the slowest row
+        wants after this round (a round advances the slots by its longest accepted path, and gives every row at
+        least one token), so the generation always completes."""
         widths = self.switch.widths(self.widths)[:max(tokens_left - 1, 0)]
-        while widths and session.position + tree_size(widths) > session.max_length:
+        free = session.max_length - session.position
+        while widths and (tree_size(widths) > free or free - (len(widths) + 1) < tokens_left - 1):
             widths = widths[:-1]
         return widths
 
@@ -184,12 +217,7 @@ class SpeculativeGenerator:
     def _sequences(input_ids: torch.Tensor, generated: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
                    pad_token_id: int | None) -> torch.Tensor:
         """Each row cut after its end of sequence (or at max_new_tokens), padded to the longest row."""
-        rows = []
-        for tokens in generated:
-            tokens = tokens[:max_new_tokens]
-            if eos_token_id is not None and eos_token_id in tokens:
-                tokens = tokens[:tokens.index(eos_token_id) + 1]
-            rows.append(tokens)
+        rows = [cut(tokens, max_new_tokens, eos_token_id) for tokens in generated]
         longest = max(len(tokens) for tokens in rows)
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
         new = torch.full((len(rows), longest), pad, dtype=input_ids.dtype)

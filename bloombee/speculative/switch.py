@@ -7,10 +7,10 @@ slower that hop's link is than the slowest, S the slowest link's bandwidth. Spec
 exactly when S > S* = (K_tree - a K_plain) / (a F_plain - F_tree - c): the paper's equation 8, with
 the hops, compute and latency measured rather than modelled.
 
-With mode ``auto`` the switch measures a few plain rounds, then tries the configured tree; while
-S <= S* it shrinks the tree (narrower widths, a higher pruning threshold) and tries again, and
-when the smallest tree loses too it decodes plainly, trying the trees again every
-``recheck_rounds`` rounds. Each decision is logged once.
+With mode ``auto`` the switch measures a few plain rounds, then the configured tree; while S <= S*
+it moves to the first smaller tree (narrower widths, a higher pruning threshold) that the measured
+figures, scaled to its size, say could pay, and when none could it decodes plainly, trying the
+trees again every ``recheck_rounds`` rounds. Each decision is logged once.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import math
 from dataclasses import dataclass
 
 from bloombee.codec.policy import Ewma
+from bloombee.speculative.draft import tree_size
 
 logger = logging.getLogger(__name__)
 
 PLAIN_PROBES = 2  # plain rounds measured before the first tree
-TREE_PROBES = 3  # rounds a tree size is measured before it is judged
+TREE_PROBES = 2  # rounds a tree size is measured before it is judged (then it is judged after every round)
 SHRINK_TAU = (None, 0.3, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
 
 
@@ -83,9 +84,9 @@ class SpeculationSwitch:
             raise ValueError(f"speculation mode must be auto, on or off, got {mode!r}")
         self.mode, self.recheck_rounds = mode, recheck_rounds
         self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
-        self.level, self.plain = 0, Measured.new()
-        self.trees = [Measured.new() for _ in SHRINK_TAU]
-        self.rounds_since_check = 0
+        self.level, self.plain, self.tree = 0, Measured.new(), Measured.new()
+        self.off, self.rounds_since_check = False, 0
+        self.configured: tuple[int, ...] = ()
         self.decision: str | None = None
         self.last_break_even: float | None = None
 
@@ -98,31 +99,30 @@ class SpeculationSwitch:
             return self.mode == "on"
         if self.plain.rounds < PLAIN_PROBES:
             return False
-        if self.level >= len(SHRINK_TAU):
+        if self.off:
             self.rounds_since_check += 1
-            if self.rounds_since_check >= self.recheck_rounds:
-                self.level, self.rounds_since_check = 0, 0
-                self.trees = [Measured.new() for _ in SHRINK_TAU]
-                self._decide("rechecking speculation after plain decoding")
-            else:
+            if self.rounds_since_check < self.recheck_rounds:
                 return False
+            self.off, self.level, self.tree = False, 0, Measured.new()
+            self._decide("rechecking speculation after plain decoding")
         return True
 
     def widths(self, configured: tuple[int, ...]) -> tuple[int, ...]:
-        return shrunk(configured, min(self.level, len(SHRINK_TAU) - 1))
+        self.configured = configured
+        return shrunk(configured, self.level)
 
     def prune_tau(self, configured: float | None) -> float | None:
-        tau = SHRINK_TAU[min(self.level, len(SHRINK_TAU) - 1)]
+        tau = SHRINK_TAU[self.level]
         return configured if tau is None or configured is None else max(configured, tau)
 
     def observe_plain(self, seconds: float, step) -> None:
         self._observe(self.plain, seconds, step, 0.0, 1.0)
 
     def observe_tree(self, seconds: float, draft_s: float, accepted: float, step) -> None:
-        measured = self.trees[min(self.level, len(SHRINK_TAU) - 1)]
-        self._observe(measured, seconds, step, draft_s, accepted)
-        if self.mode == "auto" and measured.rounds >= TREE_PROBES:
-            self._judge(measured)
+        """A tree round: its time apart from the draft's, the draft's, the tokens per row it committed."""
+        self._observe(self.tree, seconds, step, draft_s, accepted)
+        if self.mode == "auto" and self.tree.rounds >= TREE_PROBES:
+            self._judge()
 
     def _observe(self, measured: Measured, seconds: float, step, draft_s: float, accepted: float) -> None:
         weighted = hop_weighted_bytes(step, self.bandwidths) if self.bandwidths else 0.0
@@ -132,25 +132,33 @@ class SpeculationSwitch:
         measured.accepted.update(accepted)
         measured.rounds += 1
 
-    def _judge(self, tree: Measured) -> None:
-        """Keep this tree while it is faster than plain decoding (S > S*), else shrink it, or stop speculating after
-        the smallest."""
-        plain, accepted = self.plain, tree.accepted.value
-        penalty = tree.weighted_bytes.value - accepted * plain.weighted_bytes.value
-        saving = accepted * plain.fixed.value - tree.fixed.value - tree.draft_s.value
+    def _judge(self) -> None:
+        """Keep this tree while it is faster than plain decoding (S > S*); else the first smaller tree that could be
+        (predicted from this one's figures), or plain decoding."""
+        penalty, saving = self._terms(1.0)
         self.last_break_even = break_even_bandwidth(penalty, saving)
-        pays = penalty / self.slowest < saving
         described = (f"S = {self.slowest * 8 / 1e6:.1f} Mbit/s, S* = {self.last_break_even * 8 / 1e6:.1f} Mbit/s, "
-                     f"{accepted:.2f} tokens per round")
-        if pays:
+                     f"{self.tree.accepted.value:.2f} tokens per round")
+        if penalty / self.slowest < saving:
             self._decide(f"speculating with tree level {self.level}: {described}")
             return
-        self.level += 1
-        if self.level < len(SHRINK_TAU):
-            self._decide(f"shrinking the tree to level {self.level}: {described}")
-        else:
-            self.rounds_since_check = 0
-            self._decide(f"decoding without speculation: {described}")
+        size = tree_size(shrunk(self.configured, self.level))
+        for level in range(self.level + 1, len(SHRINK_TAU)):
+            penalty, saving = self._terms(tree_size(shrunk(self.configured, level)) / size)
+            if penalty / self.slowest < saving:
+                self.level, self.tree = level, Measured.new()
+                self._decide(f"shrinking the tree to level {level}: {described}")
+                return
+        self.off, self.rounds_since_check = True, 0
+        self._decide(f"decoding without speculation: {described}")
+
+    def _terms(self, scale: float) -> tuple[float, float]:
+        """Equation 8's extra weighted bytes and time saved per round for a tree `scale` times the measured one's
+        size, with the measured acceptance (a smaller tree accepts at most as much)."""
+        plain, tree, accepted = self.plain, self.tree, self.tree.accepted.value
+        tree_bytes = plain.weighted_bytes.value + (tree.weighted_bytes.value - plain.weighted_bytes.value) * scale
+        tree_fixed = plain.fixed.value + (tree.fixed.value - plain.fixed.value) * scale
+        return tree_bytes - accepted * plain.weighted_bytes.value, accepted * plain.fixed.value - tree_fixed - tree.draft_s.value
 
     def _decide(self, text: str) -> None:
         """Log a decision once (not again while it stays the same)."""
