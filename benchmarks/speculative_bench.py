@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts, each generated at batch 1")
     parser.add_argument("--completion-batch", type=int, default=8, help="batch of the completion-time runs")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per prompt, variant and environment")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per prompt, variant and environment")
     parser.add_argument("--server-threads", type=int, default=1)
     parser.add_argument("--out", default=str(OUT_DIR))
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -89,6 +89,11 @@ def run_env(args, env: presets.Environment, runs: list[dict], log_dir: Path) -> 
         widths = [int(width) for width in args.widths.split(",")]
         taus = [float(tau) for tau in args.taus.split(",")]
         cases = [(1, seed) for seed in range(args.prompts)] + [(args.completion_batch, args.prompts)]
+        for variant in variants(taus):  # a pass not recorded: the first runs after start-up are slower
+            settings = {**knobs.parse_configuration(variant["config"]).client_settings(), "link_bandwidth_mbps": client_mbps}
+            worker.call("speculate", timeout=args.run_timeout, allowed=names, settings=settings, batch=1,
+                        prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=0,
+                        generate={"draft_widths": widths, **variant["generate"]})
         for repeat in range(args.repeats):
             order = variants(taus) if repeat % 2 == 0 else list(reversed(variants(taus)))
             for batch, seed in cases:

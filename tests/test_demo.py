@@ -13,7 +13,9 @@ def test_demo_runs_a_local_swarm_and_shuts_it_down(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Starting server0 with blocks 0:4 of 8" in result.stdout and "Starting server1 with blocks 4:8 of 8" in result.stdout
     assert "def fibonacci(n):" in result.stdout and "Shutting the swarm down." in result.stdout
-    assert re.search(r"\[\d+ tokens in [\d.]+ s, [\d.]+ tokens/s, servers: server0\[0:4\] -> server1\[4:8\]\]", result.stderr)
+    # bloombee-tiny names its draft, so the default (draft_model auto, speculation auto) speculates
+    assert re.search(r"\[\d+ tokens in [\d.]+ s, [\d.]+ tokens/s, servers: server0\[0:4\] -> server1\[4:8\], \d+ "
+                     r"draft-tree rounds of [\d.]+ tokens, \d+ plain\]", result.stderr)
     log_dir = re.search(r"logs in (\S+)\)", result.stdout).group(1)
     for log in Path(log_dir).glob("server*.log"):
         assert "Announced offline and stopped" in log.read_text()

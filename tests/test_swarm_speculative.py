@@ -106,6 +106,12 @@ def assert_same_greedy(ours: torch.Tensor, reference: torch.Tensor, local, what:
         assert abs(gap) < NEAR_TIE, report
 
 
+def plain_greedy(model, ids, mask, new_tokens):
+    """Greedy decoding through the swarm without speculation (inside a session, generate() does not speculate)."""
+    with model.inference_session(max_length=ids.shape[1] + new_tokens, batch_size=ids.shape[0]):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+
+
 def local_greedy(local, ids, mask, new_tokens):
     with torch.inference_mode():
         return local.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
@@ -121,7 +127,7 @@ def test_greedy_speculation_is_plain_greedy_decoding(model, local, draft, tokeni
     spec = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, draft_model=draft, speculation="on",
                           prune_tau=tau, draft_widths=WIDTHS)
     stats = model.last_speculation
-    plain = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    plain = plain_greedy(model, ids, None, new_tokens)
     reference = local_greedy(local, ids, None, new_tokens)
     print(f"tau {tau}: {stats.tree_rounds} tree rounds for {spec.shape[1] - ids.shape[1]} tokens, accepted "
           f"{stats.accepted}, nodes per hop {stats.nodes_per_hop} of {stats.nodes_proposed}")
@@ -151,7 +157,7 @@ def test_a_left_padded_batch_is_exact_row_by_row(swarm, local, draft, tokenizer,
         spec = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, draft_model=draft,
                               speculation="on", prune_tau=0.2, draft_widths=WIDTHS)
         stats = model.last_speculation
-        plain = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+        plain = plain_greedy(model, ids, mask, new_tokens)
     reference = local_greedy(local, ids, mask, new_tokens)
     print(f"{settings}: {stats.tree_rounds} tree rounds, accepted {stats.accepted}")
     assert_same_greedy(spec, plain, local, "speculative vs plain swarm")
@@ -333,7 +339,7 @@ def test_malformed_trees_are_refused_and_the_server_goes_on(swarm, draft, tokeni
             assert out.shape == hidden.shape and torch.equal(kept.parents, good.parents)
         out = model.generate(ids, max_new_tokens=16, do_sample=False, draft_model=draft, speculation="on")
         assert model.last_speculation.tree_rounds > 0
-        assert torch.equal(out, model.generate(ids, max_new_tokens=16, do_sample=False))
+        assert torch.equal(out, plain_greedy(model, ids, None, 16))
 
 
 # -- 4. failover (kills a server: last) -----------------------------------------------------------------------------

@@ -115,18 +115,21 @@ def generate(args: argparse.Namespace) -> None:
     if draft is not None:  # speculative generation opens its own session
         output = model.generate(input_ids, draft_model=draft, **kwargs)
         stats = model.last_speculation
-        chain = (f"{stats.tree_rounds} draft-tree rounds ({sum(stats.accepted) / max(len(stats.accepted), 1):.2f} "
-                 f"tokens each), {stats.plain_rounds} plain")
+        spans = stats.chain
+        chain = (f", {stats.tree_rounds} draft-tree rounds of {sum(stats.accepted) / max(len(stats.accepted), 1):.2f} "
+                 f"tokens, {stats.plain_rounds} plain")
     else:
         with model.inference_session(max_length=max_length) as session:
             output = model.generate(input_ids, **kwargs)
-            chain = "servers: " + " -> ".join(f"{span.record.public_name or span.peer_id[-8:]}[{span.start}:{span.end}]"
-                                              for span in session.spans)
+            spans, chain = [(span.record.public_name or span.peer_id[-8:], span.start, span.end)
+                            for span in session.spans], ""
+    servers = " -> ".join(f"{name}[{start}:{end}]" for name, start, end in spans)
     seconds = time.perf_counter() - began
     new_ids = output[0, input_ids.shape[1]:]
     if not args.stream:
         print(tokenizer.decode(output[0], skip_special_tokens=True) if tokenizer else " ".join(map(str, output[0].tolist())))
-    print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, {chain}]", file=sys.stderr)
+    print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, servers: {servers}{chain}]",
+          file=sys.stderr)
 
 
 def read_statuses(args: argparse.Namespace) -> list:

@@ -12,6 +12,7 @@ from hivemind.p2p import P2P
 
 from bloombee.client.deadlines import StepClock
 from bloombee.client.loop import run_sync
+from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.client.verification import Untrusted, Verifier
@@ -150,7 +151,7 @@ class InferenceSession:
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
                  settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], link_bandwidth: float,
-                 choose_micro_batches: Callable[[list[Span], int, int, int], int]):
+                 choose_micro_batches: MicroBatchChooser):
         self.manager, self.p2p, self.settings = manager, p2p, settings
         self.choose_micro_batches = choose_micro_batches
         self.policy_for, self.link_bandwidth = policy_for, link_bandwidth
@@ -455,6 +456,10 @@ class InferenceSession:
             wanted = self.planned_micro_batches(chain, num_tokens) or self.choose_micro_batches(
                 [stream.span for stream in chain], self.batch_size, num_tokens, context)
         return max(1, min(int(wanted), self.batch_size))
+
+    def predicted_step_s(self, num_tokens: int) -> float | None:
+        """The planner's time for a step of `num_tokens` tokens per row through the chain (None without profiles)."""
+        return self.choose_micro_batches.step_seconds(self.spans, self.batch_size, num_tokens, self.position + num_tokens)
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:
         return self.policy_for(stream.span.peer_id, stream.span.record)

@@ -65,6 +65,7 @@ class RoundStats:
     nodes_proposed: list[int] = field(default_factory=list)  # tree nodes per tree round (all rows)
     nodes_per_hop: list[list[int]] = field(default_factory=list)  # per tree round, the nodes each server sent on
     completed_at: list[float] = field(default_factory=list)  # seconds from the start when each row finished
+    chain: list[tuple[str, int, int]] = field(default_factory=list)  # (server name, first block, end) at the end
 
 
 class SpeculativeGenerator:
@@ -97,7 +98,8 @@ class SpeculativeGenerator:
                 self.switch.bandwidths = chain_bandwidths(session.link_bandwidth,
                                                           [span.record.link_bandwidth for span in session.spans])
                 roots = torch.tensor([row[-1] for row in generated])
-                if self.switch.speculate() and all("tree_steps" in span.record.features for span in session.spans):
+                if self.switch.speculate() and all("tree_steps" in span.record.features for span in session.spans) \
+                        and self._worth_trying(session):
                     if not draft_in_step:
                         self._prefill_draft(session, input_ids, attention_mask, generated, room)
                         draft_in_step = True
@@ -112,6 +114,8 @@ class SpeculativeGenerator:
                         done[row] = self._finished(generated[row], max_new_tokens, eos_token_id)
                 streamed = self._stream_new(generated[0], streamed, max_new_tokens, eos_token_id)
                 self._mark_done(done, was_done, began)
+            self.stats.chain = [(span.record.public_name or span.peer_id[-8:], span.start, span.end)
+                                for span in session.spans]
         if self.streamer is not None:
             self.streamer.end()
         return self._sequences(input_ids, generated, max_new_tokens, eos_token_id, pad_token_id)
@@ -156,6 +160,13 @@ class SpeculativeGenerator:
         self.draft.commit(accepted_ids, max(ids.numel() for ids in accepted_ids))
         self._record_tree_round(session, packed, new_tokens, done, draft_s, time.perf_counter() - round_began)
         return new_tokens
+
+    def _worth_trying(self, session) -> bool:
+        """Before the switch tries a tree: whether the planner's model says it could pay at all."""
+        if not self.switch.untried():
+            return True
+        widths = self.switch.widths(self.widths)
+        return self.switch.consider(session.predicted_step_s(1), session.predicted_step_s(tree_size(widths)), len(widths))
 
     def _prefill_draft(self, session, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        generated: list[list[int]], room: int) -> None:

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-
-from bloombee.codec.policy import Ewma
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 from bloombee.speculative.draft import tree_size
 
 logger = logging.getLogger(__name__)
 
 PLAIN_PROBES = 2  # plain rounds measured before the first tree
-TREE_PROBES = 2  # rounds a tree size is measured before it is judged (then it is judged after every round)
+TREE_PROBES = 3  # rounds a tree size is measured before it is judged (then it is judged after every round)
+WINDOW = 16  # rounds of each kind the judgement averages
 SHRINK_TAU = (None, 0.3, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
 
 
@@ -61,19 +62,29 @@ def break_even_bandwidth(penalty: float, saving: float) -> float:
     return max(penalty / saving, 0.0)
 
 
+class Recent:
+    """The mean of the last WINDOW values (steadier than a fast running average on noisy round times)."""
+
+    def __init__(self):
+        self.values: deque[float] = deque(maxlen=WINDOW)
+
+    def update(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def value(self) -> float:
+        return statistics.fmean(self.values) if self.values else 0.0
+
+
 @dataclass
 class Measured:
-    """Running averages of one kind of round: time apart from transfers, weighted bytes, draft time, acceptance."""
+    """One kind of round, over its recent rounds: time apart from transfers, weighted bytes, draft time, acceptance."""
 
-    fixed: Ewma
-    weighted_bytes: Ewma
-    draft_s: Ewma
-    accepted: Ewma
+    fixed: Recent = field(default_factory=Recent)
+    weighted_bytes: Recent = field(default_factory=Recent)
+    draft_s: Recent = field(default_factory=Recent)
+    accepted: Recent = field(default_factory=Recent)
     rounds: int = 0
-
-    @classmethod
-    def new(cls) -> Measured:
-        return cls(*(Ewma(0.3, None) for _ in range(4)))
 
 
 class SpeculationSwitch:
@@ -84,8 +95,9 @@ class SpeculationSwitch:
             raise ValueError(f"speculation mode must be auto, on or off, got {mode!r}")
         self.mode, self.recheck_rounds = mode, recheck_rounds
         self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
-        self.level, self.plain, self.tree = 0, Measured.new(), Measured.new()
+        self.level, self.plain, self.tree = 0, Measured(), Measured()
         self.off, self.rounds_since_check = False, 0
+        self.probes = TREE_PROBES  # rounds measured before a tree is judged: fewer at a recheck
         self.configured: tuple[int, ...] = ()
         self.decision: str | None = None
         self.last_break_even: float | None = None
@@ -103,9 +115,24 @@ class SpeculationSwitch:
             self.rounds_since_check += 1
             if self.rounds_since_check < self.recheck_rounds:
                 return False
-            self.off, self.level, self.tree = False, 0, Measured.new()
+            self.off, self.level, self.tree, self.probes = False, 0, Measured(), 1
+            self.recheck_rounds *= 2  # each recheck that loses costs rounds: ever rarer
             self._decide("rechecking speculation after plain decoding")
         return True
+
+    def untried(self) -> bool:
+        """Whether the next tree round would be the first at this level since the switch last decided."""
+        return self.mode == "auto" and self.tree.rounds == 0
+
+    def consider(self, plain_s: float | None, tree_s: float | None, depth: int) -> bool:
+        """Before trying a tree: False (and plain decoding) when the planner's predicted times of a plain and a tree
+        step say it could not pay even if every round accepted its whole depth; True otherwise (or unknown)."""
+        if plain_s is None or tree_s is None or (depth + 1) * plain_s > tree_s:
+            return True
+        self.off, self.rounds_since_check = True, 0
+        self._decide(f"decoding without speculation: the planner predicts {tree_s * 1e3:.1f} ms for a tree step and "
+                     f"{plain_s * 1e3:.1f} ms for a plain one, more than the tree's {depth + 1} tokens at best repay")
+        return False
 
     def widths(self, configured: tuple[int, ...]) -> tuple[int, ...]:
         self.configured = configured
@@ -121,7 +148,7 @@ class SpeculationSwitch:
     def observe_tree(self, seconds: float, draft_s: float, accepted: float, step) -> None:
         """A tree round: its time apart from the draft's, the draft's, the tokens per row it committed."""
         self._observe(self.tree, seconds, step, draft_s, accepted)
-        if self.mode == "auto" and self.tree.rounds >= TREE_PROBES:
+        if self.mode == "auto" and self.tree.rounds >= self.probes:
             self._judge()
 
     def _observe(self, measured: Measured, seconds: float, step, draft_s: float, accepted: float) -> None:
@@ -146,7 +173,7 @@ class SpeculationSwitch:
         for level in range(self.level + 1, len(SHRINK_TAU)):
             penalty, saving = self._terms(tree_size(shrunk(self.configured, level)) / size)
             if penalty / self.slowest < saving:
-                self.level, self.tree = level, Measured.new()
+                self.level, self.tree = level, Measured()
                 self._decide(f"shrinking the tree to level {level}: {described}")
                 return
         self.off, self.rounds_since_check = True, 0
