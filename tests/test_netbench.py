@@ -162,13 +162,17 @@ def test_topology_names_and_addresses():
 def test_configurations():
     baseline = knobs.parse_configuration("baseline")
     assert baseline.server_args() == []  # every switch is the client's: one server set serves every configuration
-    assert baseline.client_settings() == {"compression": "off", "micro_batches": 1}
+    off = {"compression": "off", "micro_batches": 1, "speculation": "off"}
+    assert baseline.client_settings() == off
     on = knobs.parse_configuration("compression")
-    assert on.server_args() == [] and on.client_settings() == {"compression": "on", "micro_batches": 1}
+    assert on.server_args() == [] and on.client_settings() == {**off, "compression": "on"}
     eight = knobs.parse_configuration("compression+micro_batching:8")
-    assert eight.client_settings() == {"compression": "on", "micro_batches": 8} and not eight.bandwidth_sensitive
+    assert eight.client_settings() == {**off, "compression": "on", "micro_batches": 8} and not eight.bandwidth_sensitive
     chosen = knobs.parse_configuration("micro_batching:auto")
-    assert chosen.client_settings() == {"compression": "off", "micro_batches": "auto"} and chosen.bandwidth_sensitive
+    assert chosen.client_settings() == {**off, "micro_batches": "auto"} and chosen.bandwidth_sensitive
+    assert knobs.parse_configuration("speculative").client_settings() == {**off, "speculation": "on"}
+    switch = knobs.parse_configuration("speculative:auto")
+    assert switch.client_settings() == {**off, "speculation": "auto"} and switch.bandwidth_sensitive
     with pytest.raises(ValueError, match="takes no value"):
         knobs.parse_configuration("compression:3")
     with pytest.raises(ValueError, match="whole number"):
