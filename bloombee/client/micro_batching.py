@@ -65,12 +65,12 @@ class MicroBatchChooser:
         times = {m: predicted_step_s(inputs, assignment, batch_size * num_tokens, m) for m in CANDIDATES if m <= batch_size}
         return min(times, key=times.get)
 
-    def step_seconds(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> float | None:
-        """The planner's simulated time of one step, in the micro-batches chosen for it; None without profiles."""
+    def step_seconds(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int,
+                     micro_batches: int) -> float | None:
+        """The planner's simulated time of one step in `micro_batches` micro-batches; None without profiles."""
         inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
         if inputs is None:
             return None
-        micro_batches = self(spans, batch_size, num_tokens, context)
         return predicted_step_s(inputs, [span.end - span.start for span in spans], batch_size * num_tokens, micro_batches)
 
     def chain_inputs(self, spans: Sequence[Span], rows: int, context: int) -> PlanInputs | None:

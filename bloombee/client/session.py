@@ -459,7 +459,9 @@ class InferenceSession:
 
     def predicted_step_s(self, num_tokens: int) -> float | None:
         """The planner's time for a step of `num_tokens` tokens per row through the chain (None without profiles)."""
-        return self.choose_micro_batches.step_seconds(self.spans, self.batch_size, num_tokens, self.position + num_tokens)
+        context = self.position + num_tokens
+        return self.choose_micro_batches.step_seconds(self.spans, self.batch_size, num_tokens, context,
+                                                      self.micro_batches_for(self.streams, num_tokens, context))
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:
         return self.policy_for(stream.span.peer_id, stream.span.record)

@@ -178,7 +178,7 @@ class SessionPipeline:
             began, compute_at = time.perf_counter(), time.time()
             compaction = None if header.compact_start is None else (header.compact_start, compact_ids(tensors))
             if "tree_parents" in tensors:
-                header, sent_on = await self._tree_step(header, tensors, compaction)
+                header, sent_on = await self._tree_step(header, tensors, duplicate, compaction)
             else:
                 sent_on = {"hidden": await self._linear_step(header, tensors, duplicate, compaction)}
                 if header.route:
@@ -211,11 +211,15 @@ class SessionPipeline:
         return await self.servicer.run_compute(self._after_compaction, header, compaction, self._timed_step,
                                                tensors["hidden"], *step_args)
 
-    async def _tree_step(self, header: StepHeader, tensors: dict[str, torch.Tensor],
+    async def _tree_step(self, header: StepHeader, tensors: dict[str, torch.Tensor], duplicate: bool,
                          compaction: tuple[int, list[torch.Tensor]] | None) -> tuple[StepHeader, dict]:
-        """A step of token trees (one that comes again writes the same slots again); the header sent on, without
-        the pruning threshold once this server pruned, and the outputs with their trees."""
+        """A step of token trees; the header sent on, without the pruning threshold once this server pruned, and the
+        outputs with their trees. One that comes again while its trees are still held is computed again (it writes
+        the same slots); once they are compacted it is refused, as writing it would undo the compaction."""
         trees = PackedTrees.from_tensors(tensors)
+        rows = range(header.batch_offset, header.batch_offset + trees.num_rows)
+        if duplicate and any(self.session.trees.get(row, (None,))[0] != header.start_position for row in rows):
+            raise InvalidStep(f"tree step {header.step_id} came again after its trees were compacted")
         out, kept = await self.servicer.run_compute(self._after_compaction, header, compaction,
                                                     self.servicer.backend.tree_step, self.session, tensors["hidden"],
                                                     header.start_position, header.batch_offset, trees, header.prune_tau)
