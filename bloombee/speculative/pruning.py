@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bloombee.speculative.tree import close_under_ancestors
+
 logger = logging.getLogger(__name__)
 
 PRUNER_FILE = "pruner.safetensors"
@@ -158,23 +160,16 @@ class TreePruner:
 
     @torch.no_grad()
     def prune(self, hidden: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, tau: float) -> torch.Tensor:
-        """Bool mask of nodes kept: score >= tau and every ancestor kept; tau <= 0 keeps all. Scored depth by depth,
-        so the proxy head runs only on the kept nodes that have children (the costly part: it is an LM head)."""
+        """Bool mask of nodes kept: score >= tau and every ancestor kept; tau <= 0 keeps all. The proxy head (an LM
+        head: the costly part) runs once, over the nodes that have children."""
         parents = parents.to(hidden.device).long()
-        if tau <= 0:
-            return torch.ones(len(parents), dtype=torch.bool, device=hidden.device)
-        keep = torch.zeros(len(parents), dtype=torch.bool, device=hidden.device)
-        keep[0] = True
-        tokens = tokens.to(hidden.device)
-        level = torch.zeros(1, dtype=torch.long, device=hidden.device)
-        while True:
-            children = torch.nonzero(torch.isin(parents, level)).squeeze(-1)
-            if children.numel() == 0:
-                return keep
-            scored, index = parents[children].unique(return_inverse=True)
-            features = candidate_features(self._proxy_logits(hidden[scored])[index], tokens[children])
-            level = children[self.classifier(features) >= tau]
-            keep[level] = True
+        keep = torch.ones(len(parents), dtype=torch.bool, device=hidden.device)
+        if tau <= 0 or len(parents) == 1:
+            return keep
+        internal = torch.unique(parents[1:])
+        logits = self._proxy_logits(hidden[internal])[torch.searchsorted(internal, parents[1:])]
+        keep[1:] = self.classifier(candidate_features(logits, tokens.to(hidden.device)[1:])) >= tau
+        return close_under_ancestors(parents, keep)
 
     def _proxy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.classifier.feature_mean.device != hidden.device:
