@@ -111,8 +111,8 @@ def generate(args: argparse.Namespace) -> None:
     began = time.perf_counter()
     kwargs = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=getattr(tokenizer, "pad_token_id", None),
                   **sampling)
-    draft = model.settings_draft()
-    if draft is not None:  # speculative generation opens its own session
+    draft = model.settings_draft() if args.max_length is None else None  # --max-length: decode in a session that long
+    if draft is not None:  # speculative generation opens its own session, as long as its trees need
         output = model.generate(input_ids, draft_model=draft, **kwargs)
         stats = model.last_speculation
         spans = stats.chain
@@ -208,7 +208,8 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default: %(default)s)")
     parser.add_argument("--max-length", type=positive_int, default=None,
                         help="tokens the session reserves on each server, prompt included (default: prompt + "
-                             "--max-new-tokens); a server refuses a session longer than its own --max-length")
+                             "--max-new-tokens); a server refuses a session longer than its own --max-length. Given, "
+                             "the generation decodes plainly in that session (speculation sizes its own)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample only from the most likely tokens whose probabilities add up to this (default: "
