@@ -88,10 +88,3 @@ def test_fixed_modes_ignore_measurements():
     assert all(run_rounds(on, 0.001, 1.0, 1.0, 10)) and not any(run_rounds(off, 1.0, 0.001, 5.0, 10))
     with pytest.raises(ValueError, match="auto, on or off"):
         SpeculationSwitch("sometimes")
-
-
-def test_an_acceptance_measured_before_sharpens_the_prior():
-    # twice the time of a plain step: worth trying at a full depth of 5 tokens, not at the 1.6 measured earlier
-    assert SpeculationSwitch("auto").consider(plain_s=0.01, tree_s=0.02, depth=4)
-    assert not SpeculationSwitch("auto", known_acceptance=1.6).consider(plain_s=0.01, tree_s=0.02, depth=4)
-    assert SpeculationSwitch("auto", known_acceptance=2.8).consider(plain_s=0.01, tree_s=0.02, depth=4)

@@ -51,7 +51,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.head, self.remote = head, remote
         self._drafts = threading.local()  # default draft models by name, one copy per thread
-        self.speculation_acceptance: dict[int, float] = {}  # batch size -> tokens per tree round measured so far
         self._active: contextvars.ContextVar[_ActiveSession | None] = contextvars.ContextVar(f"bloombee_session_{id(self)}",
                                                                                           default=None)
 

@@ -46,15 +46,11 @@ def speculative_generate(model, input_ids: torch.Tensor, draft, **kwargs) -> tor
                         kwargs.get("top_p") or 1.0, kwargs.get("generator"))
     widths = kwargs.get("draft_widths") or settings.widths
     tau = kwargs.get("prune_tau", settings.prune_tau)
-    memory = model.speculation_acceptance
-    switch = SpeculationSwitch(kwargs.get("speculation") or settings.speculation,
-                               known_acceptance=memory.get(input_ids.shape[0]))
+    switch = SpeculationSwitch(kwargs.get("speculation") or settings.speculation)
     generator = SpeculativeGenerator(model, load_draft(draft, model), tuple(widths), tau or None, switch,
                                      kwargs.get("streamer"))
     eos = kwargs.get("eos_token_id", config.eos_token_id)
     output = generator.generate(input_ids, kwargs.get("attention_mask"), int(new_tokens), sampling,
                                 eos[0] if isinstance(eos, list) else eos, kwargs.get("pad_token_id", config.pad_token_id))
     model.last_speculation = generator.stats
-    if switch.known_acceptance is not None:
-        memory[input_ids.shape[0]] = switch.known_acceptance
     return output

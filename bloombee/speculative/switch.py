@@ -90,12 +90,10 @@ class Measured:
 class SpeculationSwitch:
     """Decides each round whether to speculate and with which tree: mode 'on', 'off' or 'auto' (measured S*)."""
 
-    def __init__(self, mode: str = "auto", bandwidths: list[float] | None = None, recheck_rounds: int = 32,
-                 known_acceptance: float | None = None):
+    def __init__(self, mode: str = "auto", bandwidths: list[float] | None = None, recheck_rounds: int = 32):
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"speculation mode must be auto, on or off, got {mode!r}")
         self.mode, self.recheck_rounds = mode, recheck_rounds
-        self.known_acceptance = known_acceptance  # the configured tree's tokens per round, measured earlier, if any
         self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
         self.level, self.plain, self.tree = 0, Measured(), Measured()
         self.off, self.rounds_since_check = False, 0
@@ -128,17 +126,13 @@ class SpeculationSwitch:
 
     def consider(self, plain_s: float | None, tree_s: float | None, depth: int) -> bool:
         """Before trying a tree: False (and plain decoding) when the planner's predicted times of a plain and a tree
-        step say it could not pay with the acceptance earlier generations measured (without one: even if every
-        round accepted its whole depth); True otherwise (or unknown)."""
-        accepted = depth + 1 if self.known_acceptance is None or self.level else self.known_acceptance
-        if plain_s is None or tree_s is None or accepted * plain_s > tree_s:
+        step say it could not pay even if every round accepted its whole depth; True otherwise (or unknown)."""
+        if plain_s is None or tree_s is None or (depth + 1) * plain_s > tree_s:
             return True
         self.off, self.rounds_since_check = True, 0
         self._decide(f"decoding without speculation: the planner predicts {tree_s * 1e3:.1f} ms for a tree step and "
-                     f"{plain_s * 1e3:.1f} ms for a plain one, more than {accepted:.2f} tokens per round repay")
+                     f"{plain_s * 1e3:.1f} ms for a plain one, more than the tree's {depth + 1} tokens at best repay")
         return False
-
-
 
     def widths(self, configured: tuple[int, ...]) -> tuple[int, ...]:
         self.configured = configured
@@ -170,8 +164,6 @@ class SpeculationSwitch:
         (predicted from this one's figures), or plain decoding."""
         penalty, saving = self._terms(1.0)
         self.last_break_even = break_even_bandwidth(penalty, saving)
-        if self.level == 0:
-            self.known_acceptance = self.tree.accepted.value  # for this generation's rechecks and later generations
         described = (f"S = {self.slowest * 8 / 1e6:.1f} Mbit/s, S* = {self.last_break_even * 8 / 1e6:.1f} Mbit/s, "
                      f"{self.tree.accepted.value:.2f} tokens per round")
         if penalty / self.slowest < saving:
