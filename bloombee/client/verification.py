@@ -27,6 +27,7 @@ from bloombee.protocol.streams import single
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
+FORWARD_ATTEMPTS = 2  # tries of one verifying server's forward whose stream closed unanswered
 
 # |a - b| <= tolerance x (|b| + the token's RMS), per element. A stateless forward computes the whole prefix at once
 # and rounds differently from the cached path it checks (measured on bloombee-tiny, 72 tokens, 4 blocks: up to 0.026
@@ -158,12 +159,19 @@ class Verifier:
         return found
 
     async def _recompute(self, span: Span, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        """`inputs` through `span` statelessly, or None (logged) where that server cannot answer."""
-        try:
-            return await forward_span(self.p2p, span, inputs, None if bool(mask.all()) else mask,
-                                      self.policy_for(span.peer_id, span.record), self.settings.request_timeout)
-        except RequestRejected as error:
-            logger.info("Server %s cannot verify: %s", span.peer_id, error)
-        except (ConnectionError, OSError, asyncio.TimeoutError) as error:  # not in the chain: no ban, try another
-            logger.warning("Verifying forward through %s failed (%r)", span.peer_id, error)
+        """`inputs` through `span` statelessly, or None (logged) where that server cannot answer; a stream that
+        closes without an answer is tried once more (hivemind streams occasionally do)."""
+        for attempt in range(FORWARD_ATTEMPTS):
+            try:
+                return await forward_span(self.p2p, span, inputs, None if bool(mask.all()) else mask,
+                                          self.policy_for(span.peer_id, span.record), self.settings.request_timeout)
+            except RequestRejected as error:
+                logger.info("Server %s cannot verify: %s", span.peer_id, error)
+                return None
+            except ConnectionError as error:  # not in the chain: no ban; once more, then another server
+                logger.warning("Verifying forward through %s failed (%r), attempt %d of %d", span.peer_id, error,
+                               attempt + 1, FORWARD_ATTEMPTS)
+            except (OSError, asyncio.TimeoutError) as error:
+                logger.warning("Verifying forward through %s failed (%r)", span.peer_id, error)
+                return None
         return None
