@@ -157,7 +157,7 @@ def test_blocks_nobody_serves_are_named(swarm, tmp_path):
 
 def test_ctrl_c_exits_130_with_one_line(swarm):
     process = subprocess.Popen([str(BIN / "bloombee-client"), "generate", "--model", MODEL, "--prompt", "def f",
-                                "--initial-peers", *swarm.initial_peers, "--max-new-tokens", "50"],
+                                "--initial-peers", *swarm.initial_peers, "--max-new-tokens", "40"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     assert process.stdout.read(5) == "def f"  # printed once the model is loaded, just before generating
     process.send_signal(signal.SIGINT)
