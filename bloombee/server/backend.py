@@ -12,7 +12,8 @@ from bloombee.models.core.kv_cache import compact_slots
 from bloombee.server.memory import SessionBytes
 from bloombee.server.sessions import Session
 from bloombee.speculative.pruning import TreePruner
-from bloombee.speculative.tree import PackedTrees, TokenTree, dense_rows, depths, packed_rows, tree_mask, unpack_rows
+from bloombee.speculative.tree import (PackedTrees, TokenTree, dense_rows, depths, pack_rows, packed_rows, tree_mask,
+                                       unpack_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +185,9 @@ class BlockBackend:
             subtree, kept = TokenTree(tokens, parents).subtree(keep)
             kept_hidden.append(row_hidden[kept])
             kept_trees.append((subtree, ids[kept]))
-        offsets = trees.offsets.new_zeros(trees.offsets.shape)
-        offsets[1:] = torch.tensor([tree.size for tree, _ in kept_trees]).cumsum(0)
-        return torch.cat(kept_hidden), PackedTrees(offsets, torch.cat([tree.parents for tree, _ in kept_trees]),
-                                                   torch.cat([tree.tokens for tree, _ in kept_trees]),
-                                                   torch.cat([ids for _, ids in kept_trees]))
+        packed, offsets = pack_rows(kept_hidden)
+        return packed, PackedTrees(offsets, torch.cat([tree.parents for tree, _ in kept_trees]),
+                                   torch.cat([tree.tokens for tree, _ in kept_trees]), torch.cat([ids for _, ids in kept_trees]))
 
     @torch.inference_mode()
     def compact(self, session: Session, start_position: int, batch_offset: int, keep_ids: list[torch.Tensor]) -> None:
