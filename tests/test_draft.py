@@ -52,9 +52,16 @@ def reference_probs(model, prefix: list[int], tree) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def internal(tree) -> torch.Tensor:
+    """The nodes with children (the draft's distributions are kept there only)."""
+    return torch.unique(tree.parents[1:])
+
+
 def assert_matches_reference(model, prefixes: list[list[int]], trees) -> None:
     for prefix, proposed in zip(prefixes, trees):
-        torch.testing.assert_close(proposed.probs, reference_probs(model, prefix, proposed.tree), atol=1e-4, rtol=0)
+        nodes = internal(proposed.tree)
+        torch.testing.assert_close(proposed.probs[nodes], reference_probs(model, prefix, proposed.tree)[nodes],
+                                   atol=1e-4, rtol=0)
 
 
 def test_tree_shape_helpers():
@@ -92,7 +99,7 @@ def test_sampled_children_come_from_the_warped_distribution(draft, reference):
         tokens, parents = proposed.tree.tokens, proposed.tree.parents
         best = proposed.probs.argmax(-1)
         assert torch.equal(tokens[1:], best[parents[1:]])
-        assert torch.all(proposed.probs.max(-1).values == 1)
+        assert torch.all(proposed.probs[internal(proposed.tree)].max(-1).values == 1)
 
 
 def test_commit_with_holes_equals_a_fresh_prefill(draft, reference):
@@ -112,6 +119,25 @@ def test_commit_with_holes_equals_a_fresh_prefill(draft, reference):
     for after_holes, prefilled in zip(trees, fresh):
         assert torch.equal(after_holes.tree.tokens, prefilled.tree.tokens)
         torch.testing.assert_close(after_holes.probs, prefilled.probs, atol=1e-5, rtol=0)
+    assert_matches_reference(reference, sequences, trees)
+
+
+def test_accepted_leaves_are_run_with_the_next_roots(draft, reference):
+    """Leaves are chosen without a pass; every row accepting its leaf, then a lone root (run at once), then a tree:
+    its distributions are those of a fresh prefill of the same tokens."""
+    started(draft, PROMPTS)
+    sequences = [list(prompt) for prompt in PROMPTS]
+    roots = ROOTS
+    for widths in ((1, 1), ()):
+        trees = draft.propose(roots, widths)
+        for sequence, proposed in zip(sequences, trees):
+            sequence += proposed.tree.tokens.tolist()
+        draft.commit([torch.arange(proposed.tree.size) for proposed in trees], trees[0].tree.size)
+        roots = torch.tensor([int(proposed.tree.tokens[-1]) + 1 for proposed in trees])
+    trees = draft.propose(roots, (2, 2))
+    fresh = started(DraftModel("bloombee-tiny-draft"), sequences).propose(roots, (2, 2))
+    for after_leaves, prefilled in zip(trees, fresh):
+        torch.testing.assert_close(after_leaves.probs, prefilled.probs, atol=1e-5, rtol=0)
     assert_matches_reference(reference, sequences, trees)
 
 

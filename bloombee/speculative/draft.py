@@ -6,6 +6,8 @@ node's ancestors, rope position = committed tokens of the row + depth. ``commit`
 accepted path at [P, P + len_r), leaves holes (masked slots) up to P + advance and moves P there.
 Trees are built breadth-first, one depth level for all rows per forward pass: greedily (the
 top-w tokens of each node's distribution) or by i.i.d. sampling from the warped distribution.
+The deepest level is chosen but not run: no child of a leaf is ever proposed, and a leaf that is
+accepted is run together with the next round's roots (one pass fewer per round).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from bloombee.speculative.verify import warp_probs
 
 @dataclass(frozen=True)
 class DraftTree:
-    """One row's proposed tree and the draft's (warped) distribution [N, V] at each node."""
+    """One row's proposed tree and the draft's (warped) distribution [N, V] at each node that has children (the
+    leaves' rows are zeros: nothing is drawn from them)."""
 
     tree: TokenTree
     probs: torch.Tensor
@@ -60,6 +63,9 @@ class DraftModel:
         self.device = self.head.device
         self.caches, self.token_mask = [], None
         self.max_length = self.max_tree_nodes = self.position = self.proposed_size = 0
+        self.leaf_level = 0  # the offset of the last tree's deepest level, whose nodes were not run
+        self.leaf_tokens: torch.Tensor | None = None  # [b, n] those nodes' tokens
+        self.unrun: torch.Tensor | None = None  # [b] token of each row's committed leaf at slot P - 1, or -1
 
     @property
     def batch_size(self) -> int:
@@ -73,6 +79,7 @@ class DraftModel:
         self.token_mask = torch.zeros(batch_size, capacity, dtype=torch.bool, device=self.device)
         self.max_length, self.max_tree_nodes = max_length, max_tree_nodes
         self.position = self.proposed_size = 0
+        self.unrun = None
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
@@ -105,15 +112,23 @@ class DraftModel:
         prefix_count = self.token_mask[:, :self.position].sum(-1)
         level_tokens = roots.to(self.device, torch.long)[:, None]
         tokens, probs, first = [], [], 0
-        for depth in range(len(widths) + 1):
+        for depth, width in enumerate(widths):
             end = first + level_tokens.shape[1]
-            logits = self._forward_level(level_tokens, depth, first, end, mask, prefix_count)
+            if depth == 0:
+                logits = self._forward_roots(level_tokens, mask, prefix_count)
+            else:
+                logits = self._forward_level(level_tokens, depth, first, end, mask, prefix_count)
             tokens.append(level_tokens)
             probs.append(warp(logits))
-            if depth < len(widths):
-                level_tokens = self._children(logits, probs[-1], widths[depth], sample, generator)
+            level_tokens = self._children(logits, probs[-1], width, sample, generator)
             first = end
-        self.proposed_size = size
+        tokens.append(level_tokens)
+        if widths:
+            probs.append(torch.zeros(*level_tokens.shape, self.head.config.vocab_size, device=self.device))
+        else:  # a lone root is run: it is not a leaf of a level that was chosen without a pass
+            probs.append(warp(self._forward_roots(level_tokens, mask, prefix_count)))
+            first = size
+        self.proposed_size, self.leaf_level, self.leaf_tokens = size, first, level_tokens
         return self._rows(torch.cat(tokens, 1), torch.cat(probs, 1), parents)
 
     @torch.inference_mode()
@@ -125,9 +140,31 @@ class DraftModel:
             cache.compact(self.position, keep)
         start = self.position
         self.token_mask[:, start:start + self.proposed_size] = False
+        unrun = torch.full((len(keep),), -1, dtype=torch.long, device=self.device)
         for row, offsets in enumerate(keep):
             self.token_mask[row, start:start + offsets.numel()] = True
+            if offsets.numel() and int(offsets[-1]) >= self.leaf_level:  # its path ends at a leaf: at slot P - 1
+                unrun[row] = self.leaf_tokens[row, int(offsets[-1]) - self.leaf_level]
+        self.unrun = unrun if bool((unrun >= 0).any()) else None
         self.position, self.proposed_size = start + advance, 0
+
+    def _forward_roots(self, roots, mask, prefix_count) -> torch.Tensor:
+        """Logits [b, 1, V] of the roots, written at slot P; with them, in the same pass, the leaves the last commit
+        kept at slot P - 1 (a row without one writes its root there too, attending only itself: that slot is one
+        of its holes)."""
+        if self.unrun is None:
+            return self._forward_level(roots, 0, 0, 1, mask, prefix_count)
+        start, pending = self.position, self.unrun >= 0
+        leaf_keys = torch.zeros(roots.shape[0], start + 1, dtype=torch.bool, device=self.device)
+        leaf_keys[:, :start] = self.token_mask[:, :start] & pending[:, None]
+        leaf_keys[:, start - 1] = True
+        tokens = torch.cat([torch.where(pending, self.unrun, roots[:, 0])[:, None], roots], 1)
+        rope = torch.stack([prefix_count - 1, prefix_count], 1)
+        keys = torch.stack([leaf_keys, mask[:, 0, :start + 1]], 1)
+        hidden = self.stack(self.head.embed(tokens), rope, self.caches, torch.arange(start - 1, start + 1,
+                                                                                   device=self.device), keys)
+        self.unrun = None
+        return self.head.logits(hidden[:, 1:])
 
     def _forward_level(self, level_tokens, depth, first, end, mask, prefix_count) -> torch.Tensor:
         """Logits [b, n, V] of the depth-`depth` nodes [first, end), their KV written at slots P + [first, end)."""

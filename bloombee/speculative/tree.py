@@ -26,28 +26,28 @@ def check_parents(parents: torch.Tensor) -> None:
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth [N] of each node (the root 0)."""
-    result = torch.zeros(parents.numel(), dtype=torch.long)
-    for node in range(1, parents.numel()):
-        result[node] = result[int(parents[node])] + 1
-    return result
+    result = [0]
+    for parent in parents.tolist()[1:]:  # a list: indexing a tensor node by node costs far more than the work
+        result.append(result[parent] + 1)
+    return torch.tensor(result, dtype=torch.long)
 
 
 def ancestry(parents: torch.Tensor) -> torch.Tensor:
     """[N, N] bool: True at (i, j) where node j is node i or one of its ancestors."""
-    size = parents.numel()
-    result = torch.eye(size, dtype=torch.bool)
-    for node in range(1, size):
-        result[node] |= result[int(parents[node])]
+    lines = [[0]]
+    for node, parent in enumerate(parents.tolist()[1:], start=1):
+        lines.append(lines[parent] + [node])
+    result = torch.zeros(len(lines), len(lines), dtype=torch.bool)
+    result[[node for node, line in enumerate(lines) for _ in line], [j for line in lines for j in line]] = True
     return result
 
 
 def close_under_ancestors(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """`keep` [N] with every node whose parent is dropped dropped too (the root always kept)."""
-    closed = keep.clone().to(torch.bool)
-    closed[0] = True
-    for node in range(1, parents.numel()):
-        closed[node] &= closed[int(parents[node])]
-    return closed
+    closed = [True]
+    for kept, parent in zip(keep.tolist()[1:], parents.tolist()[1:]):
+        closed.append(bool(kept) and closed[parent])
+    return torch.tensor(closed, dtype=torch.bool)
 
 
 @dataclass(frozen=True)
