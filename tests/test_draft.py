@@ -87,6 +87,18 @@ def test_wide_tree_distributions_equal_transformers(draft, reference):
     assert_matches_reference(reference, PROMPTS, trees)
 
 
+def test_greedy_levels_hold_the_most_probable_paths(draft, reference):
+    """Depth 2 of a (3, 2) tree: the 6 most probable two-token paths among all children of depth 1, wherever they
+    fall (transformers' probabilities), not 2 per node."""
+    for prompt, proposed in zip(PROMPTS, started(draft, PROMPTS).propose(ROOTS, (3, 2))):
+        tree, probs = proposed.tree, reference_probs(reference, prompt, proposed.tree)
+        tokens = tree.tokens.tolist()
+        paths = torch.stack([probs[0, tokens[node]] * probs[node] for node in (1, 2, 3)])  # [3 parents, V]
+        best = paths.flatten().topk(6).indices
+        expected = {(1 + int(index) // paths.shape[1], int(index) % paths.shape[1]) for index in best}
+        assert {(int(tree.parents[node]), tokens[node]) for node in range(4, 10)} == expected
+
+
 def test_sampled_children_come_from_the_warped_distribution(draft, reference):
     generator = torch.Generator().manual_seed(0)
     trees = started(draft, PROMPTS).propose(ROOTS, (3, 2), sample=True, generator=generator)
@@ -106,11 +118,11 @@ def test_commit_with_holes_equals_a_fresh_prefill(draft, reference):
     started(draft, PROMPTS)
     sequences = [list(prompt) for prompt in PROMPTS]
     roots = ROOTS
-    for widths, paths in (((3, 2, 1), [[0, 2, 6, 12], [0, 1]]), ((2, 2), [[0], [0, 2, 6]])):
+    for widths, ends in (((3, 2, 1), [12, 1]), ((2, 2), [0, 6])):  # 12 and 6 are leaves
         trees = draft.propose(roots, widths)
+        paths = [proposed.tree.path_to(end) for proposed, end in zip(trees, ends)]
         for sequence, proposed, path in zip(sequences, trees, paths):
             sequence += [int(proposed.tree.tokens[node]) for node in path]
-            assert path == proposed.tree.path_to(path[-1])
         draft.commit([torch.tensor(path) for path in paths], max(len(path) for path in paths))
         roots = torch.tensor([int(proposed.tree.tokens[path[-1]]) + 1 for proposed, path in zip(trees, paths)])
     assert draft.position == len(left_padded(PROMPTS)[0][0]) + 4 + 3

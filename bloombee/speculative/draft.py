@@ -4,8 +4,11 @@ Its caches follow the session's KV layout: the prompt at slots [0, T) (left padd
 each round's tree at slots [P, P + N) in node order, attending the row's committed slots and the
 node's ancestors, rope position = committed tokens of the row + depth. ``commit`` keeps each row's
 accepted path at [P, P + len_r), leaves holes (masked slots) up to P + advance and moves P there.
-Trees are built breadth-first, one depth level for all rows per forward pass: greedily (the
-top-w tokens of each node's distribution) or by i.i.d. sampling from the warped distribution.
+Trees are built breadth-first, one depth level for all rows per forward pass, as many nodes per
+depth as `widths` give (widths[d] children per depth-d node): greedily, a level holds the most
+probable paths (by the draft's probability of the whole path) among the children of the level
+above, however they fall on its nodes; sampled, each node's children are i.i.d. draws from the
+warped distribution (the rejection rule needs them so).
 The deepest level is chosen but not run: no child of a leaf is ever proposed, and a leaf that is
 accepted is run together with the next round's roots (one pass fewer per round).
 """
@@ -19,7 +22,7 @@ import torch
 
 from bloombee.loading import load_block_stack, load_client_head, load_model_config, resolve_model
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding
-from bloombee.speculative.tree import TokenTree, tree_mask
+from bloombee.speculative.tree import TokenTree
 from bloombee.speculative.verify import warp_probs
 
 
@@ -101,16 +104,18 @@ class DraftModel:
     def propose(self, roots: torch.Tensor, widths: tuple[int, ...], sample: bool = False,
                 warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 generator: torch.Generator | None = None) -> list[DraftTree]:
-        """Each row's tree rooted at roots[r], written at slots [P, P + N): top-widths[d] children per depth-d node,
-        or (`sample`) widths[d] i.i.d. draws from warp(logits) (default softmax; `generator` on the model's device)."""
+        """Each row's tree rooted at roots[r], written at slots [P, P + N) (N = tree_size(widths)): greedily the most
+        probable paths, or (`sample`) widths[d] i.i.d. draws from warp(logits) per depth-d node (default softmax;
+        `generator` on the model's device)."""
         warp = warp or warp_probs
         size = tree_size(widths)
         self._check_rows(roots.shape[0])
         self._check_tree_fits(size)
-        parents = tree_parents(widths)
-        mask = self._tree_mask(parents)
+        parents = torch.full((roots.shape[0], size), -1, dtype=torch.long, device=self.device)
+        mask = self._prefix_mask(size)
         prefix_count = self.token_mask[:, :self.position].sum(-1)
         level_tokens = roots.to(self.device, torch.long)[:, None]
+        path_logp = torch.zeros(level_tokens.shape, device=self.device)
         tokens, probs, first = [], [], 0
         for depth, width in enumerate(widths):
             end = first + level_tokens.shape[1]
@@ -120,7 +125,11 @@ class DraftModel:
                 logits = self._forward_level(level_tokens, depth, first, end, mask, prefix_count)
             tokens.append(level_tokens)
             probs.append(warp(logits))
-            level_tokens = self._children(logits, probs[-1], width, sample, generator)
+            if sample:
+                level_tokens, level_parents = self._drawn_children(probs[-1], width, generator)
+            else:
+                level_tokens, level_parents, path_logp = self._likeliest_children(logits, path_logp, width)
+            self._attach(parents, mask, first + level_parents, end)
             first = end
         tokens.append(level_tokens)
         if widths:
@@ -176,23 +185,42 @@ class DraftModel:
         return self.head.logits(hidden)
 
     @staticmethod
-    def _children(logits, probs, width, sample, generator) -> torch.Tensor:
-        """Tokens [b, n * width] of the next level: each node's `width` children, consecutive."""
+    def _drawn_children(probs, width, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [b, n * width] of the next level, each node's `width` i.i.d. draws consecutive, and their parents
+        (indices into this level)."""
         batch, nodes, vocab = probs.shape
-        if sample:
-            drawn = torch.multinomial(probs.reshape(-1, vocab), width, replacement=True, generator=generator)
-            return drawn.reshape(batch, nodes * width)
-        return logits.topk(width, dim=-1).indices.reshape(batch, nodes * width)
+        drawn = torch.multinomial(probs.reshape(-1, vocab), width, replacement=True, generator=generator)
+        parents = torch.arange(nodes, device=probs.device).repeat_interleave(width).expand(batch, -1)
+        return drawn.reshape(batch, nodes * width), parents
 
-    def _tree_mask(self, parents: torch.Tensor) -> torch.Tensor:
-        """[b, N, P + N]: every row's nodes attend its committed slots and their ancestors."""
-        prefix_keys = self.token_mask[:, :self.position].cpu()
-        return tree_mask([parents] * self.batch_size, parents.numel(), prefix_keys).to(self.device)
+    @staticmethod
+    def _likeliest_children(logits, path_logp, width) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The n * width children of this level's n nodes whose paths are the most probable: their tokens [b, n * w],
+        parents (indices into this level) and paths' log-probabilities, most probable first."""
+        vocab = logits.shape[-1]
+        paths = path_logp[:, :, None] + logits.float().log_softmax(-1)
+        best = paths.flatten(1).topk(logits.shape[1] * width, dim=-1)
+        return best.indices % vocab, best.indices // vocab, best.values
+
+    def _prefix_mask(self, size: int) -> torch.Tensor:
+        """[b, N, P + N]: every node attends its row's committed slots and itself (its ancestors come with _attach)."""
+        mask = torch.zeros(self.batch_size, size, self.position + size, dtype=torch.bool, device=self.device)
+        mask[:, :, :self.position] = self.token_mask[:, None, :self.position]
+        mask[:, :, self.position:] = torch.eye(size, dtype=torch.bool, device=self.device)
+        return mask
+
+    def _attach(self, parents: torch.Tensor, mask: torch.Tensor, level_parents: torch.Tensor, start: int) -> None:
+        """Record the parents [b, n] of the next level's nodes [start, start + n): in `parents`, and in `mask` their
+        parents' ancestors as theirs."""
+        end, tree = start + level_parents.shape[1], slice(self.position, None)
+        parents[:, start:end] = level_parents
+        rows = torch.arange(parents.shape[0], device=self.device)[:, None]
+        mask[:, start:end, tree] |= mask[rows, level_parents, tree]
 
     @staticmethod
     def _rows(tokens: torch.Tensor, probs: torch.Tensor, parents: torch.Tensor) -> list[DraftTree]:
-        tokens = tokens.cpu()
-        return [DraftTree(TokenTree(tokens[row], parents), probs[row]) for row in range(tokens.shape[0])]
+        tokens, parents = tokens.cpu(), parents.cpu()
+        return [DraftTree(TokenTree(tokens[row], parents[row]), probs[row]) for row in range(tokens.shape[0])]
 
     def _check_rows(self, batch: int) -> None:
         if self.token_mask is None:
