@@ -89,9 +89,10 @@ class ClientSettings(BaseModel):
     speculation: Literal["auto", "on", "off"] = Field("auto", description="with a draft model: speculate in every "
                                                       "round (on), never (off), or while it is faster than plain "
                                                       "decoding on the measured links (auto: the break-even bandwidth)")
-    draft_widths: str = Field("2,2,1,1", description="children of each node of the draft tree at each depth, "
-                              "comma-separated (2,2,1,1: 15 nodes)")
-    prune_tau: float = Field(0.2, ge=0.0, description="the first server drops draft-tree candidates whose keep score "
+    draft_widths: str = Field("2,2,1,1", description="the draft tree's width at each depth, comma-separated: depth d "
+                              "holds w0*...*wd nodes (2,2,1,1: 15 in all), the most probable paths when greedy, "
+                              "w_d children per node when sampling")
+    prune_tau: float = Field(0.3, ge=0.0, description="the first server drops draft-tree candidates whose keep score "
                              "is below this, with their descendants (0 = no pruning; greedy decoding only)")
     verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "
                                       "probability per step, and always at a server's first step in a session, "

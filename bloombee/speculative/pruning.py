@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -76,13 +78,18 @@ class KeepClassifier(nn.Module):
         return torch.sigmoid(self.logit(features))
 
 
-def candidate_features(parent_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[max p, p[token], entropy] of softmax(parent_logits), float32, shape [N, 3]."""
+def candidate_features(parent_logits: torch.Tensor, tokens: torch.Tensor,
+                       parent_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[max p, p[token], entropy] of each candidate, p = softmax of its parent's logits: row parent_rows[i] of
+    `parent_logits` (default row i); float32, [N, 3]. Each parent's distribution is computed once."""
     logp = torch.log_softmax(parent_logits.float(), dim=-1)
     p = logp.exp()
-    entropy = -(p * logp).sum(-1)
-    p_token = p.gather(-1, tokens.long().view(-1, 1)).squeeze(-1)
-    return torch.stack([p.max(-1).values, p_token, entropy], dim=-1)
+    per_parent = torch.stack([p.max(-1).values, -(p * logp).sum(-1)], dim=-1)
+    if parent_rows is None:
+        parent_rows = torch.arange(len(tokens), device=p.device)
+    p_token = p[parent_rows, tokens.long()]
+    max_p, entropy = per_parent[parent_rows].unbind(-1)
+    return torch.stack([max_p, p_token, entropy], dim=-1)
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -100,6 +107,28 @@ def _layers_in(state: dict[str, torch.Tensor]) -> list[int]:
     return sorted(proxy & clf)
 
 
+def faster_head_dtype(lm_head: nn.Linear, rows: int, repeats: int = 5) -> torch.dtype:
+    """float32 or bfloat16, whichever runs `lm_head` over `rows` hidden states faster on its device (the median of a
+    few timed runs): a proxy head reads the whole LM head every step, bfloat16 halves that, but only some
+    processors multiply it natively. The pruner's scores are estimates either way."""
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = lm_head.weight.to(dtype)
+        hidden = torch.randn(rows, weight.shape[1], device=weight.device, dtype=dtype)
+        seconds = []
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            torch.nn.functional.linear(hidden, weight)
+            if weight.device.type == "cuda":
+                torch.cuda.synchronize(weight.device)
+            seconds.append(time.perf_counter() - began)
+        timings[dtype] = statistics.median(seconds[1:])
+    chosen = min(timings, key=timings.get)
+    logger.info("proxy LM head in %s (%.3f ms float32, %.3f ms bfloat16 for %d rows)", chosen,
+                1000 * timings[torch.float32], 1000 * timings[torch.bfloat16], rows)
+    return chosen
+
+
 class TreePruner:
     """Scores and prunes draft-tree candidates after a given number of blocks of one model."""
 
@@ -110,10 +139,11 @@ class TreePruner:
         self.metadata = metadata or {}
 
     @classmethod
-    def load(cls, model_path, layer: int, dtype=torch.float32, device="cpu") -> "TreePruner | None":
+    def load(cls, model_path, layer: int, dtype: torch.dtype | None = None, device="cpu") -> "TreePruner | None":
         """The pruner for hidden states after ``layer`` blocks, or None without a file or a head for it.
 
-        Adapter, features and classifier run in float32; ``dtype`` is the norm / LM head's dtype."""
+        Adapter, features and classifier run in float32; ``dtype`` is the norm / LM head's dtype, by default the
+        faster of float32 and bfloat16 here (faster_head_dtype)."""
         from safetensors.torch import load_file
 
         from bloombee.loading import load_client_head
@@ -127,7 +157,9 @@ class TreePruner:
         if layer not in layers:
             logger.info("%s holds layers %s, not %d: tree pruning disabled", path, layers, layer)
             return None
-        head = load_client_head(model_path, dtype=dtype, device=device)
+        head = load_client_head(model_path, dtype=dtype or torch.float32, device=device)
+        if dtype is None:
+            head.to(faster_head_dtype(head.lm_head, 16))
         proxy = ProxyHead(head.config.hidden_size, head.norm, head.lm_head)  # embeddings are not kept
         proxy.adapter.load_state_dict({"weight": state[f"proxy.{layer}.weight"], "bias": state[f"proxy.{layer}.bias"]})
         classifier = KeepClassifier()
@@ -150,26 +182,23 @@ class TreePruner:
 
     @torch.no_grad()
     def keep_scores(self, hidden: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        """Score of every node of the tree (float32, [N]); the root gets 1.0."""
+        """Score of every node of the tree (float32, [N]); the root gets 1.0. The proxy head (an LM head: the
+        costly part) runs once per node that has children."""
         parents = parents.to(hidden.device).long()
         scores = torch.ones(len(parents), dtype=torch.float32, device=hidden.device)
-        child = torch.nonzero(parents >= 0).squeeze(-1)
-        if len(child):
-            scores[child] = self.score_candidates(hidden[parents[child]], tokens.to(hidden.device)[child])
+        if len(parents) > 1:
+            internal, parent_rows = torch.unique(parents[1:], return_inverse=True)
+            features = candidate_features(self._proxy_logits(hidden[internal]), tokens.to(hidden.device)[1:],
+                                          parent_rows)
+            scores[1:] = self.classifier(features)
         return scores
 
     @torch.no_grad()
     def prune(self, hidden: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, tau: float) -> torch.Tensor:
-        """Bool mask of nodes kept: score >= tau and every ancestor kept; tau <= 0 keeps all. The proxy head (an LM
-        head: the costly part) runs once, over the nodes that have children."""
-        parents = parents.to(hidden.device).long()
-        keep = torch.ones(len(parents), dtype=torch.bool, device=hidden.device)
-        if tau <= 0 or len(parents) == 1:
-            return keep
-        internal = torch.unique(parents[1:])
-        logits = self._proxy_logits(hidden[internal])[torch.searchsorted(internal, parents[1:])]
-        keep[1:] = self.classifier(candidate_features(logits, tokens.to(hidden.device)[1:])) >= tau
-        return close_under_ancestors(parents, keep)
+        """Bool mask (on the CPU) of nodes kept: score >= tau and every ancestor kept; tau <= 0 keeps all."""
+        if tau <= 0:
+            return torch.ones(len(parents), dtype=torch.bool)
+        return close_under_ancestors(parents.cpu(), (self.keep_scores(hidden, tokens, parents) >= tau).cpu())
 
     def _proxy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.classifier.feature_mean.device != hidden.device:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 PLAIN_PROBES = 2  # plain rounds measured before the first tree
 TREE_PROBES = 3  # rounds a tree size is measured before it is judged (then it is judged after every round)
 WINDOW = 16  # rounds of each kind the judgement averages
-SHRINK_TAU = (None, 0.3, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
+SHRINK_TAU = (None, 0.4, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
 
 
 def shrunk(widths: tuple[int, ...], level: int) -> tuple[int, ...]:
