@@ -75,15 +75,12 @@ def test_slow_links_shrink_the_tree_then_stop_and_recheck_ever_more_rarely():
     assert len(rechecks) == 3 and gaps == sorted(gaps) and gaps[-1] >= 2 * gaps[0]  # one round each, ever rarer
 
 
-def test_a_dip_in_acceptance_stops_trees_only_for_a_while():
-    # fast links: 2.8 tokens per round pay, a stretch of 1.0 does not; the generation's mean still does
-    switch = SpeculationSwitch("auto", bandwidths=[1000 * MBIT] * 3, recheck_rounds=8)
+def test_a_short_dip_in_acceptance_does_not_stop_a_tree_that_pays():
+    # fast links: 2.8 tokens per round pay, 1.0 does not; 8 rounds of 1.0 after 40 of 2.8 still average 2.5
+    switch = SpeculationSwitch("auto", bandwidths=[1000 * MBIT] * 3)
     assert all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=2.8, rounds=40)[PLAIN_PROBES:])
-    decisions = run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=1.0, rounds=100)
-    rechecks = [index for index, tree in enumerate(decisions) if tree]
-    gaps = [later - earlier for earlier, later in zip(rechecks, rechecks[1:])]
-    assert not all(decisions) and len(set(gaps[-3:])) == 1  # off, tried again at a steady interval
-    assert all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=2.8, rounds=40)[-20:])
+    assert all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=1.0, rounds=8))
+    assert not all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=1.0, rounds=120))  # a lasting one does
 
 
 def test_the_planner_prior_skips_a_tree_that_could_never_pay():

@@ -10,9 +10,9 @@ the hops, compute and latency measured rather than modelled.
 With mode ``auto`` the switch measures a few plain rounds, then the configured tree; while S <= S*
 it moves to the first smaller tree (narrower widths, a higher pruning threshold) that the measured
 figures, scaled to its size, say could pay, and when none could it decodes plainly, trying the
-trees again after ``recheck_rounds`` rounds, then twice as many, and so on; but after DIP_RECHECK
-rounds when the configured tree would still pay at the acceptance of the whole generation so far (a
-stretch of text the draft guesses badly stopped it, not the links). Each decision is logged once.
+trees again every ``recheck_rounds`` rounds. The configured tree's acceptance is averaged over its
+last ACCEPTANCE_WINDOW rounds, across rechecks: a short stretch of text the draft guesses badly
+does not stop a tree that pays over the generation. Each decision is logged once.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PLAIN_PROBES = 2  # plain rounds measured before the first tree
 TREE_PROBES = 3  # rounds a tree size is measured before it is judged (then it is judged after every round)
 WINDOW = 16  # rounds of each kind the judgement averages
 SHRINK_TAU = (None, 0.4, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
-DIP_RECHECK = 8  # plain rounds before trees are tried again when only a dip in acceptance stopped them
+ACCEPTANCE_WINDOW = 64  # rounds of the configured tree whose acceptance its judgement averages
 
 
 def shrunk(widths: tuple[int, ...], level: int) -> tuple[int, ...]:
@@ -66,10 +66,10 @@ def break_even_bandwidth(penalty: float, saving: float) -> float:
 
 
 class Recent:
-    """The mean of the last WINDOW values (steadier than a fast running average on noisy round times)."""
+    """The mean of the last `window` values (steadier than a fast running average on noisy round times)."""
 
-    def __init__(self):
-        self.values: deque[float] = deque(maxlen=WINDOW)
+    def __init__(self, window: int = WINDOW):
+        self.values: deque[float] = deque(maxlen=window)
 
     def update(self, value: float) -> None:
         self.values.append(value)
@@ -99,8 +99,8 @@ class SpeculationSwitch:
         self.mode, self.recheck_rounds = mode, recheck_rounds
         self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
         self.level, self.plain, self.tree = 0, Measured(), Measured()
-        self.off, self.rounds_since_check, self.recheck_in = False, 0, recheck_rounds
-        self.accepted_sum, self.accepted_rounds = 0.0, 0  # the configured tree's acceptance over the generation
+        self.off, self.rounds_since_check = False, 0
+        self.configured_accepted = Recent(ACCEPTANCE_WINDOW)  # the configured tree's, kept across rechecks
         self.probes = TREE_PROBES  # rounds measured before a tree is judged: fewer at a recheck
         self.configured: tuple[int, ...] = ()
         self.decision: str | None = None
@@ -117,9 +117,10 @@ class SpeculationSwitch:
             return False
         if self.off:
             self.rounds_since_check += 1
-            if self.rounds_since_check < self.recheck_in:
+            if self.rounds_since_check < self.recheck_rounds:
                 return False
             self.off, self.level, self.tree, self.probes = False, 0, Measured(), 1
+            self.recheck_rounds *= 2  # each recheck that loses costs rounds: ever rarer
             self._decide("rechecking speculation after plain decoding")
         return True
 
@@ -152,7 +153,7 @@ class SpeculationSwitch:
         """A tree round: its time apart from the draft's, the draft's, the tokens per row it committed."""
         self._observe(self.tree, seconds, step, draft_s, accepted)
         if self.level == 0:
-            self.accepted_sum, self.accepted_rounds = self.accepted_sum + accepted, self.accepted_rounds + 1
+            self.configured_accepted.update(accepted)
         if self.mode == "auto" and self.tree.rounds >= self.probes:
             self._judge()
 
@@ -170,7 +171,7 @@ class SpeculationSwitch:
         penalty, saving = self._terms(1.0)
         self.last_break_even = break_even_bandwidth(penalty, saving)
         described = (f"S = {self.slowest * 8 / 1e6:.1f} Mbit/s, S* = {self.last_break_even * 8 / 1e6:.1f} Mbit/s, "
-                     f"{self.tree.accepted.value:.2f} tokens per round")
+                     f"{self._accepted():.2f} tokens per round")
         if penalty / self.slowest < saving:
             self._decide(f"speculating with tree level {self.level}: {described}")
             return
@@ -182,28 +183,16 @@ class SpeculationSwitch:
                 self._decide(f"shrinking the tree to level {level}: {described}")
                 return
         self.off, self.rounds_since_check = True, 0
-        if self._only_a_dip(size):
-            self.recheck_in = DIP_RECHECK
-            self._decide(f"decoding without speculation for a while: {described}, "
-                         f"{self.accepted_sum / self.accepted_rounds:.2f} over the generation")
-        else:
-            self.recheck_in, self.recheck_rounds = self.recheck_rounds, 2 * self.recheck_rounds  # ever rarer
-            self._decide(f"decoding without speculation: {described}")
+        self._decide(f"decoding without speculation: {described}")
 
-    def _only_a_dip(self, size: int) -> bool:
-        """Whether the configured tree would pay at the generation's acceptance so far (from the measured tree's
-        figures, `size` nodes, scaled to it)."""
-        if not self.accepted_rounds:
-            return False
-        scale = tree_size(self.configured) / size
-        penalty, saving = self._terms(scale, self.accepted_sum / self.accepted_rounds)
-        return penalty / self.slowest < saving
+    def _accepted(self) -> float:
+        """Tokens per row per round of the measured tree: the configured one's over its longer window."""
+        return self.configured_accepted.value if self.level == 0 else self.tree.accepted.value
 
-    def _terms(self, scale: float, accepted: float | None = None) -> tuple[float, float]:
+    def _terms(self, scale: float) -> tuple[float, float]:
         """Equation 8's extra weighted bytes and time saved per round for a tree `scale` times the measured one's
-        size, with the measured acceptance (a smaller tree accepts at most as much) unless `accepted` is given."""
-        plain, tree = self.plain, self.tree
-        accepted = tree.accepted.value if accepted is None else accepted
+        size, with the measured acceptance (a smaller tree accepts at most as much)."""
+        plain, tree, accepted = self.plain, self.tree, self._accepted()
         tree_bytes = plain.weighted_bytes.value + (tree.weighted_bytes.value - plain.weighted_bytes.value) * scale
         tree_fixed = plain.fixed.value + (tree.fixed.value - plain.fixed.value) * scale
         return tree_bytes - accepted * plain.weighted_bytes.value, accepted * plain.fixed.value - tree_fixed - tree.draft_s.value
