@@ -43,12 +43,12 @@ def test_widths_shrink_then_become_a_chain():
 
 
 def run_rounds(switch: SpeculationSwitch, plain_s: float, tree_s: float, accepted: float, rounds: int,
-               plain_step=step(1000, 1000, 1000), tree_step=step(15000, 5000, 5000)) -> list[bool]:
+               plain_step=step(1000, 1000, 1000), tree_step=step(15000, 5000, 5000), rows: int = 1) -> list[bool]:
     """Feed `rounds` rounds of fixed measured costs; which of them speculated."""
     decisions = []
     for _ in range(rounds):
         if switch.speculate():
-            switch.observe_tree(tree_s, 0.002, accepted, tree_step)
+            switch.observe_tree(tree_s, 0.002, accepted, tree_step, rows)
             decisions.append(True)
         else:
             switch.observe_plain(plain_s, plain_step)
@@ -81,6 +81,13 @@ def test_a_short_dip_in_acceptance_does_not_stop_a_tree_that_pays():
     assert all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=2.8, rounds=40)[PLAIN_PROBES:])
     assert all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=1.0, rounds=8))
     assert not all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=1.0, rounds=120))  # a lasting one does
+
+
+def test_a_batch_is_judged_after_one_tree_round():
+    # batch 8: a tree round costs 8 plain rounds and its slowest row commits 1.5 tokens; one round shows 8 rows
+    switch = SpeculationSwitch("auto", bandwidths=[1000 * MBIT] * 3)
+    decisions = run_rounds(switch, plain_s=0.010, tree_s=0.080, accepted=1.5, rounds=20, rows=8)
+    assert decisions[PLAIN_PROBES] and not any(decisions[PLAIN_PROBES + 1:]) and switch.off
 
 
 def test_the_planner_prior_skips_a_tree_that_could_never_pay():

@@ -199,7 +199,8 @@ class SpeculativeGenerator:
         self.stats.accepted.extend(live)
         self.stats.nodes_proposed.append(packed.parents.numel())
         self.stats.nodes_per_hop.append([report.nodes for report in step.reports])
-        self.switch.observe_tree(round_s - draft_s, draft_s, min(live, default=1), step)  # the batch waits for its slowest row
+        self.switch.observe_tree(round_s - draft_s, draft_s, min(live, default=1), step,  # the batch waits for its
+                                 max(len(live), 1))  # slowest row
 
     def _widths_that_fit(self, session, tokens_left: int) -> tuple[int, ...]:
         """The configured widths cut to the depth worth proposing (no deeper than the most tokens a row still

@@ -27,7 +27,7 @@ from bloombee.speculative.draft import tree_size
 logger = logging.getLogger(__name__)
 
 PLAIN_PROBES = 2  # plain rounds measured before the first tree
-TREE_PROBES = 3  # rounds a tree size is measured before it is judged (then it is judged after every round)
+TREE_PROBES = 3  # rows' rounds a tree size is measured before it is judged (then it is judged after every round)
 WINDOW = 16  # rounds of each kind the judgement averages
 SHRINK_TAU = (None, 0.4, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
 ACCEPTANCE_WINDOW = 64  # rounds of the configured tree whose acceptance its judgement averages
@@ -88,6 +88,7 @@ class Measured:
     draft_s: Recent = field(default_factory=Recent)
     accepted: Recent = field(default_factory=Recent)
     rounds: int = 0
+    row_rounds: int = 0  # rounds times the rows that took part in them
 
 
 class SpeculationSwitch:
@@ -149,12 +150,14 @@ class SpeculationSwitch:
     def observe_plain(self, seconds: float, step) -> None:
         self._observe(self.plain, seconds, step, 0.0, 1.0)
 
-    def observe_tree(self, seconds: float, draft_s: float, accepted: float, step) -> None:
-        """A tree round: its time apart from the draft's, the draft's, the tokens per row it committed."""
+    def observe_tree(self, seconds: float, draft_s: float, accepted: float, step, rows: int = 1) -> None:
+        """A tree round of `rows` live rows: its time apart from the draft's, the draft's, the tokens its slowest row
+        committed. A batch's round shows as many rows' acceptance: it is judged after fewer rounds."""
         self._observe(self.tree, seconds, step, draft_s, accepted)
+        self.tree.row_rounds += rows
         if self.level == 0:
             self.configured_accepted.update(accepted)
-        if self.mode == "auto" and self.tree.rounds >= self.probes:
+        if self.mode == "auto" and self.tree.row_rounds >= self.probes:
             self._judge()
 
     def _observe(self, measured: Measured, seconds: float, step, draft_s: float, accepted: float) -> None:
