@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bloombee.loading import resolve_model
-from bloombee.speculative.draft import DraftModel, tree_parents, tree_size
+from bloombee.speculative.draft import DraftModel, tree_size
 from bloombee.speculative.verify import warp_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -64,9 +64,8 @@ def assert_matches_reference(model, prefixes: list[list[int]], trees) -> None:
                                    atol=1e-4, rtol=0)
 
 
-def test_tree_shape_helpers():
+def test_tree_size():
     assert tree_size(()) == 1 and tree_size((3, 2, 1)) == 1 + 3 + 6 + 6
-    assert tree_parents((2, 2)).tolist() == [-1, 0, 0, 1, 1, 2, 2]
 
 
 def test_greedy_chain_equals_generate(draft, reference):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bloombee.client import AutoDistributedModel, RequestRejected
 from bloombee.loading import dht_prefix, resolve_model
 from bloombee.local_swarm import LocalSwarm
-from bloombee.speculative.draft import DraftModel, tree_parents
+from bloombee.speculative.draft import DraftModel
 from bloombee.speculative.tree import PackedTrees, TokenTree
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,6 +70,16 @@ def model(swarm):
 def open_model(swarm, **settings):
     return AutoDistributedModel.from_pretrained(MODEL, initial_peers=swarm.initial_peers, dtype=torch.float32,
                                                 **settings)
+
+
+def tree_parents(widths: tuple[int, ...]) -> torch.Tensor:
+    """Parents [N] of the tree whose depth-d nodes have widths[d] children each, in breadth-first node order."""
+    parents, level = [-1], [0]
+    for width in widths:
+        first = len(parents)
+        parents += [node for node in level for _ in range(width)]
+        level = list(range(first, len(parents)))
+    return torch.tensor(parents, dtype=torch.long)
 
 
 def capture_sessions(model) -> list:

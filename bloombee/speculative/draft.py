@@ -44,16 +44,6 @@ def tree_size(widths: tuple[int, ...]) -> int:
     return size
 
 
-def tree_parents(widths: tuple[int, ...]) -> torch.Tensor:
-    """Parents [N] of that tree in breadth-first node order."""
-    parents, level = [-1], [0]
-    for width in widths:
-        first = len(parents)
-        parents += [node for node in level for _ in range(width)]
-        level = list(range(first, len(parents)))
-    return torch.tensor(parents, dtype=torch.long)
-
-
 class DraftModel:
     """A small model proposing token trees; its KV caches mirror the target session's slot layout."""
 
