@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from bloombee.speculative.switch import (
+    HOPELESS_WAIT,
     PLAIN_PROBES,
     TREE_PROBES,
     SpeculationSwitch,
@@ -64,15 +65,17 @@ def test_fast_links_keep_speculating():
 
 
 def test_slow_links_shrink_the_tree_then_stop_and_recheck_ever_more_rarely():
-    # 20 Mbit/s: the tree's 25 kB per round cost 10 ms more than plain's 3 kB, the fixed saving is smaller
+    # 20 Mbit/s: the tree's 25 kB per round cost 10 ms more than plain's 3 kB, the fixed saving is smaller; it
+    # would lose even accepting its whole depth, so rechecks start HOPELESS_WAIT times later
     switch = SpeculationSwitch("auto", bandwidths=[20 * MBIT] * 3, recheck_rounds=8)
     decisions = run_rounds(switch, plain_s=0.007 + 3000 / (20 * MBIT), tree_s=0.012 + 25000 / (20 * MBIT),
-                           accepted=1.6, rounds=80)
+                           accepted=1.6, rounds=8 * HOPELESS_WAIT * 8)
     tried = decisions[PLAIN_PROBES:PLAIN_PROBES + TREE_PROBES]
     assert all(tried) and switch.off and switch.last_break_even > switch.slowest
     rechecks = [index for index, tree in enumerate(decisions) if tree][TREE_PROBES:]
     gaps = [later - earlier for earlier, later in zip(rechecks, rechecks[1:])]
-    assert len(rechecks) == 3 and gaps == sorted(gaps) and gaps[-1] >= 2 * gaps[0]  # one round each, ever rarer
+    assert len(rechecks) == 3 and rechecks[0] >= 8 * HOPELESS_WAIT and gaps == sorted(gaps)  # one round each
+    assert gaps[-1] >= 2 * gaps[0]  # ever rarer
 
 
 def test_a_short_dip_in_acceptance_does_not_stop_a_tree_that_pays():
@@ -83,11 +86,13 @@ def test_a_short_dip_in_acceptance_does_not_stop_a_tree_that_pays():
     assert not all(run_rounds(switch, plain_s=0.007, tree_s=0.012, accepted=1.0, rounds=120))  # a lasting one does
 
 
-def test_a_batch_is_judged_after_one_tree_round():
-    # batch 8: a tree round costs 8 plain rounds and its slowest row commits 1.5 tokens; one round shows 8 rows
-    switch = SpeculationSwitch("auto", bandwidths=[1000 * MBIT] * 3)
-    decisions = run_rounds(switch, plain_s=0.010, tree_s=0.080, accepted=1.5, rounds=20, rows=8)
+def test_a_batch_is_judged_after_one_tree_round_and_a_hopeless_tree_rechecked_rarely():
+    # batch 8: a tree round costs 8 plain rounds (more than its 4 tokens of depth + 1 could repay) and its slowest
+    # row commits 1.5 tokens; one round shows 8 rows; the recheck waits HOPELESS_WAIT times the interval
+    switch = SpeculationSwitch("auto", bandwidths=[1000 * MBIT] * 3, recheck_rounds=8)
+    decisions = run_rounds(switch, plain_s=0.010, tree_s=0.080, accepted=1.5, rounds=8 * HOPELESS_WAIT, rows=8)
     assert decisions[PLAIN_PROBES] and not any(decisions[PLAIN_PROBES + 1:]) and switch.off
+    assert any(run_rounds(switch, plain_s=0.010, tree_s=0.080, accepted=1.5, rounds=8, rows=8))
 
 
 def test_the_planner_prior_skips_a_tree_that_could_never_pay():

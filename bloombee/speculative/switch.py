@@ -10,7 +10,8 @@ the hops, compute and latency measured rather than modelled.
 With mode ``auto`` the switch measures a few plain rounds, then the configured tree; while S <= S*
 it moves to the first smaller tree (narrower widths, a higher pruning threshold) that the measured
 figures, scaled to its size, say could pay, and when none could it decodes plainly, trying the
-trees again every ``recheck_rounds`` rounds. The configured tree's acceptance is averaged over its
+trees again every ``recheck_rounds`` rounds, doubled at each recheck (HOPELESS_WAIT times as long
+when the configured tree would lose even accepting its whole depth every round). The configured tree's acceptance is averaged over its
 last ACCEPTANCE_WINDOW rounds, across rechecks: a short stretch of text the draft guesses badly
 does not stop a tree that pays over the generation. Each decision is logged once.
 """
@@ -31,6 +32,7 @@ TREE_PROBES = 3  # rows' rounds a tree size is measured before it is judged (the
 WINDOW = 16  # rounds of each kind the judgement averages
 SHRINK_TAU = (None, 0.4, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
 ACCEPTANCE_WINDOW = 64  # rounds of the configured tree whose acceptance its judgement averages
+HOPELESS_WAIT = 8  # how many times longer plain decoding lasts before a recheck when no acceptance could pay
 
 
 def shrunk(widths: tuple[int, ...], level: int) -> tuple[int, ...]:
@@ -100,7 +102,7 @@ class SpeculationSwitch:
         self.mode, self.recheck_rounds = mode, recheck_rounds
         self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
         self.level, self.plain, self.tree = 0, Measured(), Measured()
-        self.off, self.rounds_since_check = False, 0
+        self.off, self.rounds_since_check, self.recheck_in = False, 0, recheck_rounds
         self.configured_accepted = Recent(ACCEPTANCE_WINDOW)  # the configured tree's, kept across rechecks
         self.probes = TREE_PROBES  # rounds measured before a tree is judged: fewer at a recheck
         self.configured: tuple[int, ...] = ()
@@ -118,7 +120,7 @@ class SpeculationSwitch:
             return False
         if self.off:
             self.rounds_since_check += 1
-            if self.rounds_since_check < self.recheck_rounds:
+            if self.rounds_since_check < self.recheck_in:
                 return False
             self.off, self.level, self.tree, self.probes = False, 0, Measured(), 1
             self.recheck_rounds *= 2  # each recheck that loses costs rounds: ever rarer
@@ -186,16 +188,24 @@ class SpeculationSwitch:
                 self._decide(f"shrinking the tree to level {level}: {described}")
                 return
         self.off, self.rounds_since_check = True, 0
+        self.recheck_in = self.recheck_rounds * (HOPELESS_WAIT if self._hopeless(size) else 1)
         self._decide(f"decoding without speculation: {described}")
+
+    def _hopeless(self, size: int) -> bool:
+        """Whether the configured tree would lose even if every row accepted its whole depth every round (from the
+        measured tree's figures, `size` nodes, scaled to it)."""
+        penalty, saving = self._terms(tree_size(self.configured) / size, accepted=len(self.configured) + 1.0)
+        return penalty / self.slowest >= saving
 
     def _accepted(self) -> float:
         """Tokens per row per round of the measured tree: the configured one's over its longer window."""
         return self.configured_accepted.value if self.level == 0 else self.tree.accepted.value
 
-    def _terms(self, scale: float) -> tuple[float, float]:
+    def _terms(self, scale: float, accepted: float | None = None) -> tuple[float, float]:
         """Equation 8's extra weighted bytes and time saved per round for a tree `scale` times the measured one's
-        size, with the measured acceptance (a smaller tree accepts at most as much)."""
-        plain, tree, accepted = self.plain, self.tree, self._accepted()
+        size, with the measured acceptance (a smaller tree accepts at most as much) unless `accepted` is given."""
+        plain, tree = self.plain, self.tree
+        accepted = self._accepted() if accepted is None else accepted
         tree_bytes = plain.weighted_bytes.value + (tree.weighted_bytes.value - plain.weighted_bytes.value) * scale
         tree_fixed = plain.fixed.value + (tree.fixed.value - plain.fixed.value) * scale
         return tree_bytes - accepted * plain.weighted_bytes.value, accepted * plain.fixed.value - tree_fixed - tree.draft_s.value
