@@ -27,7 +27,7 @@ from bloombee.speculative.draft import tree_size
 
 logger = logging.getLogger(__name__)
 
-PLAIN_PROBES = 3  # plain rounds measured before the first tree
+PLAIN_PROBES = 2  # plain rounds measured before the first tree
 TREE_PROBES = 3  # rows' rounds a tree size is measured before it is judged (then it is judged after every round)
 WINDOW = 16  # rounds of each kind the judgement averages
 SHRINK_TAU = (None, 0.4, 0.5)  # the pruning threshold at each shrink level (None: the configured one)
@@ -79,11 +79,6 @@ class Recent:
     @property
     def value(self) -> float:
         return statistics.fmean(self.values) if self.values else 0.0
-
-    @property
-    def median(self) -> float:
-        """The median: for round times, where one slow round (a cold start, a pause) must not decide."""
-        return statistics.median(self.values) if self.values else 0.0
 
 
 @dataclass
@@ -212,8 +207,8 @@ class SpeculationSwitch:
         plain, tree = self.plain, self.tree
         accepted = self._accepted() if accepted is None else accepted
         tree_bytes = plain.weighted_bytes.value + (tree.weighted_bytes.value - plain.weighted_bytes.value) * scale
-        tree_fixed = plain.fixed.median + (tree.fixed.median - plain.fixed.median) * scale
-        return tree_bytes - accepted * plain.weighted_bytes.value, accepted * plain.fixed.median - tree_fixed - tree.draft_s.median
+        tree_fixed = plain.fixed.value + (tree.fixed.value - plain.fixed.value) * scale
+        return tree_bytes - accepted * plain.weighted_bytes.value, accepted * plain.fixed.value - tree_fixed - tree.draft_s.value
 
     def _decide(self, text: str) -> None:
         """Log a decision once (not again while it stays the same)."""
