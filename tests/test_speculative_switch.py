@@ -9,6 +9,7 @@ from bloombee.speculative.switch import (
     HOPELESS_WAIT,
     PLAIN_PROBES,
     TREE_PROBES,
+    WINDOW,
     SpeculationSwitch,
     break_even_bandwidth,
     chain_bandwidths,
@@ -93,6 +94,18 @@ def test_a_batch_is_judged_after_one_tree_round_and_a_hopeless_tree_rechecked_ra
     decisions = run_rounds(switch, plain_s=0.010, tree_s=0.080, accepted=1.5, rounds=8 * HOPELESS_WAIT, rows=8)
     assert decisions[PLAIN_PROBES] and not any(decisions[PLAIN_PROBES + 1:]) and switch.off
     assert any(run_rounds(switch, plain_s=0.010, tree_s=0.080, accepted=1.5, rounds=8, rows=8))
+
+
+def test_a_smaller_tree_is_measured_in_full_after_a_recheck():
+    switch = SpeculationSwitch("auto", bandwidths=[20 * MBIT] * 3)
+    switch.off, switch.rounds_since_check, switch.recheck_in = True, 0, 0
+    switch.plain.rounds = PLAIN_PROBES
+    for _ in range(WINDOW):
+        switch.observe_plain(0.007 + 3000 / (20 * MBIT), step(1000, 1000, 1000))
+    switch.widths((2, 2, 1, 1))
+    assert switch.speculate() and switch.probes == 1  # a recheck: one round of the configured tree
+    switch.observe_tree(0.012 + 25000 / (20 * MBIT), 0.002, 2.0, step(15000, 5000, 5000))
+    assert switch.level == 1 and switch.probes == TREE_PROBES  # shrunk: its first round alone does not decide
 
 
 def test_the_planner_prior_skips_a_tree_that_could_never_pay():

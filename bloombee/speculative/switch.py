@@ -183,8 +183,8 @@ class SpeculationSwitch:
         size = tree_size(shrunk(self.configured, self.level))
         for level in range(self.level + 1, len(SHRINK_TAU)):
             penalty, saving = self._terms(tree_size(shrunk(self.configured, level)) / size)
-            if penalty / self.slowest < saving:
-                self.level, self.tree = level, Measured()
+            if penalty / self.slowest < saving:  # a new size is measured in full, even after a one-round recheck
+                self.level, self.tree, self.probes = level, Measured(), TREE_PROBES
                 self._decide(f"shrinking the tree to level {level}: {described}")
                 return
         self.off, self.rounds_since_check = True, 0
