@@ -173,12 +173,7 @@ class TreePruner:
     @torch.no_grad()
     def score_candidates(self, parent_hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Keep score of each candidate token given its parent's hidden state ([M, D], [M] -> [M])."""
-        device = parent_hidden.device
-        if self.classifier.feature_mean.device != device:
-            self.proxy.move_to(device)
-            self.classifier.to(device)
-        logits = self.proxy.logits(parent_hidden)
-        return self.classifier(candidate_features(logits, tokens.to(device)))
+        return self.classifier(candidate_features(self._proxy_logits(parent_hidden), tokens.to(parent_hidden.device)))
 
     @torch.no_grad()
     def keep_scores(self, hidden: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
