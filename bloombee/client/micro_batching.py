@@ -31,6 +31,10 @@ MESSAGE_OVERHEAD_MS = 0.2
 # taken in turns with that process's compute (one interpreter) and shared with the host's other processes; fitted on
 # netbench's bloombee-tiny and pipeline sweeps, where steps of M micro-batches grew by about this much per message
 MESSAGE_CPU_MS = 0.8
+# cores of a CPU host that its p2p daemons, DHT peers and event loops keep busy while its servers compute at once:
+# fitted on netbench's pipeline and bloombee-tiny sweeps, where two or three single-thread servers computing together
+# on two cores each ran 1.13-1.31x and 1.54-1.80x slower than alone (an even share of two cores: 1.0x and 1.5x)
+HOST_BUSY_CORES = 0.4
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
 # activations at 0.69 Gbit/s): no hop is faster, whatever its link
 STACK_MBPS = 700.0
@@ -99,7 +103,8 @@ def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], bl
     last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
     `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
     Every process on a CPU (the nodes that announce a CPU share, and the client when `client_cpu` gives
-    its own) spends MESSAGE_CPU_MS of that CPU on each message it sends or receives.
+    its own) spends MESSAGE_CPU_MS of that CPU on each message it sends or receives, and their host has
+    HOST_BUSY_CORES of its cores fewer for their compute.
     """
     names = [node["name"] for node in nodes]
     overrides = [] if hop_mbps is None else [
@@ -109,20 +114,20 @@ def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], bl
     if nodes[0].get("compression") is not None:  # the client runs the same codec; the first server's figures stand in
         client["compression"] = nodes[0]["compression"]
     if client_cpu is not None:
-        client["cpu"] = with_message_cost(client_cpu)
+        client["cpu"] = with_host_costs(client_cpu)
     return PlanInputs.model_validate({
         "model": model | {"num_blocks": sum(blocks)},
         "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
                      "dtype": planner_dtype(dtype), "compression": compression},
         "client": client,
-        "nodes": [{**node, "link": link(mbps)} | ({"cpu": with_message_cost(node["cpu"])} if node.get("cpu") else {})
+        "nodes": [{**node, "link": link(mbps)} | ({"cpu": with_host_costs(node["cpu"])} if node.get("cpu") else {})
                   for node, mbps in zip(nodes, links_mbps[1:])],
         "link_overrides": overrides,
     })
 
 
-def with_message_cost(cpu: dict) -> dict:
-    return {**cpu, "message_ms": MESSAGE_CPU_MS}
+def with_host_costs(cpu: dict) -> dict:
+    return {**cpu, "message_ms": MESSAGE_CPU_MS, "busy_cores": HOST_BUSY_CORES}
 
 
 def link(mbps: float) -> dict:

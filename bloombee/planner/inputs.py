@@ -243,6 +243,8 @@ class CpuShare(_Strict):
     cores: int = Field(ge=1, description="cores of the machine")
     message_ms: float = Field(0.0, ge=0, description="CPU time this process (with its p2p daemon) spends on one "
                                                        "message it sends or receives, in turns with its compute")
+    busy_cores: float = Field(0.0, ge=0, description="cores of the machine that processes outside the chain's "
+                                                     "compute (p2p daemons, DHT peers) keep busy while it computes")
 
 
 class NodeSpec(_Strict):

@@ -110,8 +110,8 @@ def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
 
 def _rates(tasks, active, cpus: Mapping[str, CpuShare]) -> dict[tuple[int, int], float]:
     """Progress per second of each running task. CPU work (compute, message handling) of one process shares its
-    threads (one interpreter: message handling and compute take turns), and the processes of one host share its
-    cores; any other task runs at full speed."""
+    threads (one interpreter: message handling and compute take turns), and the processes of one host share the
+    cores its other processes leave free (`CpuShare.busy_cores`, at least one); any other task runs at full speed."""
     users = {key: _cpu_user(tasks[key[0]][key[1]], cpus) for key in active}
     per_process: dict[str, int] = {}
     for node in users.values():
@@ -126,7 +126,7 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare]) -> dict[tuple[int, int],
             rates[key] = 1.0
             continue
         share = cpus[node]
-        rates[key] = min(1.0, share.cores / per_host[share.host]) / per_process[node]
+        rates[key] = min(1.0, max(1.0, share.cores - share.busy_cores) / per_host[share.host]) / per_process[node]
     return rates
 
 
