@@ -86,6 +86,19 @@ def test_wide_tree_distributions_equal_transformers(draft, reference):
     assert_matches_reference(reference, PROMPTS, trees)
 
 
+def test_auto_dtype_runs_each_part_in_float32_or_bfloat16_and_keeps_the_distributions(reference):
+    """dtype="auto" (what generate() loads a draft with) may mix the two: blocks in one dtype, the head in another,
+    each measured faster here. The distributions stay transformers' float32 ones to bfloat16 rounding."""
+    mixed = DraftModel("bloombee-tiny-draft", dtype="auto")
+    assert {mixed.block_dtype, mixed.head_dtype} <= {torch.float32, torch.bfloat16}
+    assert next(mixed.stack.parameters()).dtype == mixed.block_dtype
+    assert next(mixed.head.parameters()).dtype == mixed.head_dtype
+    for prefix, proposed in zip(PROMPTS, started(mixed, PROMPTS).propose(ROOTS, (3, 2, 1))):
+        nodes = internal(proposed.tree)
+        expected = reference_probs(reference, prefix, proposed.tree)[nodes]
+        assert (proposed.probs[nodes] - expected).abs().max() < 2e-2
+
+
 def test_greedy_levels_hold_the_most_probable_paths(draft, reference):
     """Depth 2 of a (3, 2) tree: the 6 most probable two-token paths among all children of depth 1, wherever they
     fall (transformers' probabilities), not 2 per node."""

@@ -20,10 +20,10 @@ def load_draft(draft, model) -> DraftModel:
     if isinstance(draft, DraftModel):
         return draft
     if isinstance(draft, (str, os.PathLike)):
-        return DraftModel(str(draft), dtype=model.head_dtype, device=model.head.device)
+        return DraftModel(str(draft), dtype="auto", device=model.head.device)
     name = getattr(draft, "name_or_path", None)
     if name:
-        return DraftModel(name, dtype=model.head_dtype, device=model.head.device)
+        return DraftModel(name, dtype="auto", device=model.head.device)
     raise TypeError(f"draft_model must be a DraftModel, a model name or folder, or a transformers model with "
                     f"name_or_path, got {type(draft).__name__}")
 

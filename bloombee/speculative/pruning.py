@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from bloombee.speculative.dtypes import faster_dtype
 from bloombee.speculative.tree import close_under_ancestors
 
 logger = logging.getLogger(__name__)
@@ -107,28 +106,6 @@ def _layers_in(state: dict[str, torch.Tensor]) -> list[int]:
     return sorted(proxy & clf)
 
 
-def faster_head_dtype(lm_head: nn.Linear, rows: int, repeats: int = 5) -> torch.dtype:
-    """float32 or bfloat16, whichever runs `lm_head` over `rows` hidden states faster on its device (the median of a
-    few timed runs): a proxy head reads the whole LM head every step, bfloat16 halves that, but only some
-    processors multiply it natively. The pruner's scores are estimates either way."""
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        weight = lm_head.weight.to(dtype)
-        hidden = torch.randn(rows, weight.shape[1], device=weight.device, dtype=dtype)
-        seconds = []
-        for _ in range(repeats + 1):
-            began = time.perf_counter()
-            torch.nn.functional.linear(hidden, weight)
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize(weight.device)
-            seconds.append(time.perf_counter() - began)
-        timings[dtype] = statistics.median(seconds[1:])
-    chosen = min(timings, key=timings.get)
-    logger.info("proxy LM head in %s (%.3f ms float32, %.3f ms bfloat16 for %d rows)", chosen,
-                1000 * timings[torch.float32], 1000 * timings[torch.bfloat16], rows)
-    return chosen
-
-
 class TreePruner:
     """Scores and prunes draft-tree candidates after a given number of blocks of one model."""
 
@@ -143,7 +120,7 @@ class TreePruner:
         """The pruner for hidden states after ``layer`` blocks, or None without a file or a head for it.
 
         Adapter, features and classifier run in float32; ``dtype`` is the norm / LM head's dtype, by default the
-        faster of float32 and bfloat16 here (faster_head_dtype)."""
+        faster of float32 and bfloat16 here (`faster_dtype`: the proxy head reads the whole LM head every step)."""
         from safetensors.torch import load_file
 
         from bloombee.loading import load_client_head
@@ -159,7 +136,8 @@ class TreePruner:
             return None
         head = load_client_head(model_path, dtype=dtype or torch.float32, device=device)
         if dtype is None:
-            head.to(faster_head_dtype(head.lm_head, 16))
+            head.to(faster_dtype(*head.lm_head.weight.shape, rows=16, device=device))
+            logger.info("proxy LM head in %s", next(head.parameters()).dtype)
         proxy = ProxyHead(head.config.hidden_size, head.norm, head.lm_head)  # embeddings are not kept
         proxy.adapter.load_state_dict({"weight": state[f"proxy.{layer}.weight"], "bias": state[f"proxy.{layer}.bias"]})
         classifier = KeepClassifier()

@@ -1,0 +1,42 @@
+"""Which of float32 and bfloat16 multiplies a given small matrix faster on a device, measured.
+
+Speculation's small models (the draft, the first server's proxy LM head) are bound by per-call overhead
+or by reading their weights, not by arithmetic: a processor that multiplies bfloat16 natively reads half
+the bytes, but on small matrices its bfloat16 kernels can cost more per call than float32's. Their
+outputs only guide which candidates are sent and checked, never what is generated, so each part takes
+whichever dtype runs it faster here.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = (torch.float32, torch.bfloat16)
+
+
+def faster_dtype(out_features: int, in_features: int, rows: int, device: torch.device | str = "cpu",
+                 repeats: int = 5) -> torch.dtype:
+    """float32 or bfloat16: whichever multiplies `rows` inputs by an [out_features, in_features] weight faster on
+    `device` (the median of a few timed runs after one warm-up)."""
+    timings = {}
+    for dtype in CANDIDATES:
+        weight = torch.randn(out_features, in_features, device=device, dtype=dtype)
+        hidden = torch.randn(rows, in_features, device=device, dtype=dtype)
+        seconds = []
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            torch.nn.functional.linear(hidden, weight)
+            if weight.device.type == "cuda":
+                torch.cuda.synchronize(weight.device)
+            seconds.append(time.perf_counter() - began)
+        timings[dtype] = statistics.median(seconds[1:])
+    chosen = min(timings, key=timings.get)
+    logger.debug("[%d, %d] x %d rows: %.3f ms float32, %.3f ms bfloat16", out_features, in_features, rows,
+                 1000 * timings[torch.float32], 1000 * timings[torch.bfloat16])
+    return chosen
