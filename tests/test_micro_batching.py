@@ -130,3 +130,46 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
     nominal = next(i for i in schedule(2, None, with_cpu=False)[0] if i.row == "s0 compute" and i.micro_batch == 0)
     slowed = (first.end_s - first.start_s) - (nominal.end_s - nominal.start_s)
     assert slowed == pytest.approx(MESSAGE_CPU_MS * 1e-3, rel=0.05)  # they took turns on one interpreter
+
+
+def test_measured_compute_speeds_scale_each_servers_cost_table():
+    """A server whose reports show it computing 2x slower than its table: the model charges it 2x from then on,
+    and the others as before; later steps move the factor by SPEED_WEIGHT each."""
+    from bloombee.client.micro_batching import SPEED_WEIGHT
+    from bloombee.planner import evaluate
+
+    choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
+    spans = chain(1e5)
+
+    def computes(inputs) -> list[float]:
+        return [stage.t_comp_s for stage in evaluate(inputs, [2, 2, 2], 32, 1).active_stages]
+
+    table = computes(choose.chain_inputs(spans, 32, 32))
+    before = choose.step_seconds(spans, 32, 1, 32, 1)
+    choose.observe(spans, 32, 1, 32, 1, [table[0], 2 * table[1], table[2]])
+    assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx([table[0], 2 * table[1], table[2]])
+    assert choose.step_seconds(spans, 32, 1, 32, 1) == pytest.approx(before + table[1])
+    assert computes(choose.chain_inputs(spans, 32, 32, measured_speeds=False)) == pytest.approx(table)
+    choose.observe(spans, 32, 1, 32, 1, table)
+    assert computes(choose.chain_inputs(spans, 32, 32))[1] == pytest.approx((2 - SPEED_WEIGHT) * table[1])
+
+
+def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatch):
+    """Small announced computes on a fast link: messages dominate and auto takes 4 micro-batches. Once the servers'
+    reports show them 10x slower than their tables, the choice is made again at that speed (2)."""
+    import bloombee.client.micro_batching as micro_batching
+    from bloombee.planner import evaluate
+
+    monkeypatch.setattr(micro_batching, "client_cpu_share", lambda: {"host": "c", "threads": 1, "cores": 2})
+    choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
+    spans = chain(1e5, (0.5, 0.6, 1.0))
+
+    def best(inputs) -> int:
+        times = {m: predicted_step_s(inputs, [2, 2, 2], 32, m) for m in (1, 2, 4, 8, 16, 32)}
+        return min(times, key=times.get)
+
+    announced = choose.chain_inputs(spans, 32, 32)
+    assert choose(spans, 32, 1, 32) == best(announced) == 4
+    table = [stage.t_comp_s for stage in evaluate(announced, [2, 2, 2], 32, 1).active_stages]
+    choose.observe(spans, 32, 1, 32, 1, [10 * t for t in table])
+    assert choose(spans, 32, 1, 32) == best(choose.chain_inputs(spans, 32, 32)) == 2

@@ -1,8 +1,9 @@
 """The planner's predicted step time for each measured step, beside the measurement.
 
 For every step of a run the chain's servers' announced profiles (per-block cost tables, codec
-figures), the hops' true shaped rates and the step's own micro-batch count go through the same
-code the client's `micro_batches="auto"` uses (`bloombee.client.micro_batching.chain_inputs` and
+figures) scaled by their compute speeds measured in the run's earlier steps, the hops' true shaped
+rates and the step's own micro-batch count go through the same code the client's
+`micro_batches="auto"` uses (`bloombee.client.micro_batching.chain_inputs`, `ComputeSpeeds` and
 the planner's `evaluate` / `schedule.simulate`). Both of the planner's estimates are kept: its
 closed form (eq. 4) and its event simulation.
 """
@@ -25,43 +26,59 @@ def _model_section(model_path: str) -> dict:
     return model_section_from_config(load_model_config(model_path))
 
 
-def step_prediction(record: dict, step: dict, context: int) -> dict[str, float] | None:
-    """Closed-form and simulated seconds of one step's chain as the planner predicts it (None without profiles)."""
-    from bloombee.client.micro_batching import chain_inputs, predicted_times
+def step_prediction(record: dict, step: dict, context: int, speeds) -> dict[str, float] | None:
+    """Closed-form and simulated seconds of one step's chain as the planner predicts it, at the servers' speeds
+    measured in the record's earlier steps (None without profiles); then the step's own reports update `speeds`
+    (`ComputeSpeeds`), as the client's own steps update its model."""
+    from bloombee.client.micro_batching import predicted_times
+
+    if any(span.get("profile") is None for span in record["chain"]):
+        return None
+    assignment = [span["end"] - span["start"] for span in record["chain"]]
+    rows, micro_batches = step["batch"] * step["tokens"], step.get("micro_batches", 1)
+    figures = predicted_times(_inputs(record, step, context, speeds), assignment, rows, micro_batches)
+    reports = step.get("reports") or []
+    if len(reports) == len(assignment):
+        speeds.observe(_inputs(record, step, context), assignment, rows, micro_batches,
+                       [report["compute_s"] for report in reports])
+    return figures
+
+
+def _inputs(record: dict, step: dict, context: int, speeds=None):
+    """The planner's inputs of the record's chain for `step`; with `speeds`, its cost tables scaled by them."""
+    from bloombee.client.micro_batching import chain_inputs
 
     chain = record["chain"]
-    if any(span.get("profile") is None for span in chain):
-        return None
     nodes = [{**span["profile"], "name": f"{span['name']}:{span['start']}", "offload": span.get("offload")}
              for span in chain]
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
-    compression = record["client_settings"].get("compression", "auto")
     tokens = step["tokens"]
-    assignment = [span["end"] - span["start"] for span in chain]
-    inputs = chain_inputs(_model_section(record["model_path"]), nodes, hops, assignment,
-                          step["batch"] * tokens, -(-context // tokens), chain[0]["dtype"], compression, hop_mbps=hops,
-                          client_cpu=record["client_cpu"])
-    return predicted_times(inputs, assignment, step["batch"] * tokens, step.get("micro_batches", 1))
+    if speeds is not None:
+        nodes = speeds.scaled(nodes)
+    return chain_inputs(_model_section(record["model_path"]), nodes, hops,
+                        [span["end"] - span["start"] for span in chain], step["batch"] * tokens,
+                        -(-context // tokens), chain[0]["dtype"], record["client_settings"].get("compression", "auto"),
+                        hop_mbps=hops, client_cpu=record["client_cpu"])
 
 
 def predictions(record: dict) -> dict[str, Any]:
-    """Median predicted (closed form, simulated) and measured chain seconds of the decode and prefill steps."""
-    out: dict[str, Any] = {}
-    for kind in ("prefill", "decode"):
-        predicted, measured = [], []
-        for rep in record["repeats"]:
-            context = 0
-            for step in rep["steps"]:
-                context += step["tokens"]
-                if step["kind"] != kind:
-                    continue
-                figures = step_prediction(record, step, context)
-                if figures is None:
-                    return {}
-                predicted.append(figures)
-                measured.append(step["chain_s"])
-        if measured:
-            out[kind] = {"closed_form_s": median(p["closed_form_s"] for p in predicted),
-                         "simulated_s": median(p["simulated_s"] for p in predicted),
-                         "measured_s": median(measured)}
-    return out
+    """Median predicted (closed form, simulated) and measured chain seconds of the decode and prefill steps, each
+    step predicted from the record's earlier ones (the servers' measured compute speeds)."""
+    from bloombee.client.micro_batching import ComputeSpeeds
+
+    predicted: dict[str, list] = {"prefill": [], "decode": []}
+    measured: dict[str, list] = {"prefill": [], "decode": []}
+    speeds = ComputeSpeeds()
+    for rep in record["repeats"]:
+        context = 0
+        for step in rep["steps"]:
+            context += step["tokens"]
+            figures = step_prediction(record, step, context, speeds)
+            if figures is None:
+                return {}
+            predicted[step["kind"]].append(figures)
+            measured[step["kind"]].append(step["chain_s"])
+    return {kind: {"closed_form_s": median(p["closed_form_s"] for p in predicted[kind]),
+                   "simulated_s": median(p["simulated_s"] for p in predicted[kind]),
+                   "measured_s": median(measured[kind])}
+            for kind in ("prefill", "decode") if measured[kind]}

@@ -38,6 +38,8 @@ HOST_BUSY_CORES = 0.4
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
 # activations at 0.69 Gbit/s): no hop is faster, whatever its link
 STACK_MBPS = 700.0
+# weight of a step in each server's measured compute speed (its reported compute time against the model's)
+SPEED_WEIGHT = 0.3
 CONTEXT_BUCKET = 32  # steps whose context differs by less are scored alike
 MAX_REMEMBERED = 1024  # decisions kept per model
 
@@ -50,11 +52,13 @@ class MicroBatchChooser:
         self.link_mbps, self.compression = link_mbps, compression
         self._unprofiled: set[str] = set()
         self._chosen: dict[tuple, int] = {}
+        self.speeds = ComputeSpeeds()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        """M for one step; the same chain, batch and tokens over a context of the same 32-token bucket reuse it."""
-        key = (tuple((s.peer_id, s.start, s.end, s.record.link_bandwidth) for s in spans), batch_size, num_tokens,
-               -(-context // CONTEXT_BUCKET))
+        """M for one step; the same chain (at the same measured speeds, to 0.1), batch and tokens over a context of
+        the same 32-token bucket reuse it."""
+        key = (tuple((s.peer_id, s.start, s.end, s.record.link_bandwidth, round(self.speeds.factor(node_name(s)), 1))
+                     for s in spans), batch_size, num_tokens, -(-context // CONTEXT_BUCKET))
         if key not in self._chosen:
             if len(self._chosen) >= MAX_REMEMBERED:
                 self._chosen.clear()
@@ -77,8 +81,19 @@ class MicroBatchChooser:
             return None
         return predicted_step_s(inputs, [span.end - span.start for span in spans], batch_size * num_tokens, micro_batches)
 
-    def chain_inputs(self, spans: Sequence[Span], rows: int, context: int) -> PlanInputs | None:
-        """The planner's inputs for this chain, or None when a server announces no profile."""
+    def observe(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int, micro_batches: int,
+                compute_s: Sequence[float]) -> None:
+        """Learn the servers' compute speeds from a step they served: `compute_s`, each one's reported compute time
+        (all its micro-batches)."""
+        inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens), measured_speeds=False)
+        if inputs is not None:
+            self.speeds.observe(inputs, [span.end - span.start for span in spans], batch_size * num_tokens,
+                                micro_batches, compute_s)
+
+    def chain_inputs(self, spans: Sequence[Span], rows: int, context: int,
+                     measured_speeds: bool = True) -> PlanInputs | None:
+        """The planner's inputs for this chain (each server's cost table scaled by its measured speed, unless
+        `measured_speeds` is False), or None when a server announces no profile."""
         missing = [span.peer_id for span in spans if span.record.profile is None]
         if missing:
             new = set(missing) - self._unprofiled
@@ -87,11 +102,68 @@ class MicroBatchChooser:
                 logger.warning("micro_batches=auto: servers %s announce no planner profile, so steps through them "
                                "are not split", ", ".join(sorted(new)))
             return None
-        nodes = [{**span.record.profile, "name": f"{span.peer_id}:{span.start}", "offload": span.record.offload}
-                 for span in spans]
+        nodes = [{**span.record.profile, "name": node_name(span), "offload": span.record.offload} for span in spans]
+        if measured_speeds:
+            nodes = self.speeds.scaled(nodes)
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
                             spans[0].record.dtype, self.compression, client_cpu=client_cpu_share())
+
+
+class ComputeSpeeds:
+    """Each server's compute speed against its announced cost table, as its steps measure it: a moving average of
+    its reported compute time over the planner's simulated compute of that server in the same step (the table's
+    times, the CPU shared as the simulation shares it). A machine's speed drifts (load from other sessions or
+    other tenants): on netbench's runs here servers computed up to 1.8x slower than the tables they had measured
+    minutes before."""
+
+    def __init__(self):
+        self._factors: dict[str, float] = {}
+
+    def factor(self, name: str) -> float:
+        """Measured over modelled compute time of node `name` (1.0 before any step)."""
+        return self._factors.get(name, 1.0)
+
+    def scaled(self, nodes: list[dict]) -> list[dict]:
+        """The planner node dicts with each cost table, and on a CPU the cost of a message, scaled by its node's
+        factor (a busier or slower machine computes and handles messages slower alike)."""
+        return [scaled_cost(node, self.factor(node["name"])) for node in nodes]
+
+    def observe(self, inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int,
+                compute_s: Sequence[float]) -> None:
+        """Fold in one step: `compute_s[i]`, the compute time node i reported (its tables unscaled in `inputs`)."""
+        evaluation = evaluate(inputs, assignment, rows, micro_batches)
+        if not evaluation.feasible:
+            return
+        modelled: dict[str, float] = {}
+        for interval in simulate(evaluation, cpu_shares(inputs))[0]:
+            if interval.kind == "compute":
+                name = interval.row.removesuffix(" compute")
+                modelled[name] = modelled.get(name, 0.0) + interval.end_s - interval.start_s
+        for node, measured in zip(inputs.nodes, compute_s):
+            if modelled.get(node.name, 0.0) > 0 and measured > 0:
+                ratio = measured / modelled[node.name]
+                old = self._factors.get(node.name)
+                self._factors[node.name] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+
+
+def scaled_cost(node: dict, factor: float) -> dict:
+    """A planner node dict with its cost table's (or polynomial's) compute times, and on a CPU its message cost,
+    multiplied by `factor`."""
+    if factor == 1.0:
+        return node
+    cost = node["cost"]
+    part = "table" if cost.get("table") is not None else "coefficients"
+    scaled = {key: values if key == "micro_batch" else [value * factor for value in values]
+              for key, values in cost[part].items()}
+    node = {**node, "cost": {**cost, part: scaled}}
+    if node.get("cpu"):
+        node["cpu"] = {**node["cpu"], "message_ms": MESSAGE_CPU_MS * factor}
+    return node
+
+
+def node_name(span: Span) -> str:
+    return f"{span.peer_id}:{span.start}"
 
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
@@ -127,7 +199,8 @@ def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], bl
 
 
 def with_host_costs(cpu: dict) -> dict:
-    return {**cpu, "message_ms": MESSAGE_CPU_MS, "busy_cores": HOST_BUSY_CORES}
+    """A CPU share with its host's costs: the CPU of a message (unless given) and the cores kept busy."""
+    return {"message_ms": MESSAGE_CPU_MS, **cpu, "busy_cores": HOST_BUSY_CORES}
 
 
 def link(mbps: float) -> dict:

@@ -77,6 +77,7 @@ class SessionPipeline:
         self.computed: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
         self.replies: asyncio.Queue = asyncio.Queue()
         self.applied: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._computed = (0.0, 0.0)  # (time.time() it began, seconds) of the last step's work in the compute thread
 
     def notify(self, message: Message) -> None:
         """Send a message to the client out of band (a failed push reported by the push channel)."""
@@ -175,7 +176,7 @@ class SessionPipeline:
         key = (header.step_id, header.batch_offset)
         duplicate = key in self.applied
         try:
-            began, compute_at = time.perf_counter(), time.time()
+            self._computed = (time.time(), 0.0)
             compaction = None if header.compact_start is None else (header.compact_start, compact_ids(tensors))
             if "tree_parents" in tensors:
                 header, sent_on = await self._tree_step(header, tensors, duplicate, compaction)
@@ -184,7 +185,7 @@ class SessionPipeline:
                 if header.route:
                     sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
             self._remember(key)
-            compute_s = time.perf_counter() - began
+            compute_at, compute_s = self._computed
         except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), header.step_id)
             return None
@@ -231,10 +232,14 @@ class SessionPipeline:
 
     def _after_compaction(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]] | None, fn, *args):
         """In the compute thread: the previous tree's compaction, if the step carries one, then `fn(*args)`; so the
-        step never reads a cache that is not yet compacted."""
+        step never reads a cache that is not yet compacted. When and how long it ran is what the hop report says
+        the step computed (the hand-over to and from the compute thread is not)."""
+        began_at, began = time.time(), time.perf_counter()
         if compaction is not None:
             self._compact(header, compaction)
-        return fn(*args)
+        result = fn(*args)
+        self._computed = (began_at, time.perf_counter() - began)
+        return result
 
     def _compact(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]]) -> None:
         self.servicer.backend.compact(self.session, compaction[0], header.batch_offset, compaction[1])
