@@ -7,6 +7,8 @@ with the planner's own step model and event simulation (`bloombee.planner.evalua
 `schedule.simulate`, in which servers computing on the CPU of one machine share its cores), then
 takes the fastest. A step of T tokens per row is scored as a decode
 step of B x T rows (compute and activation bytes both scale with the tokens of a micro-batch).
+Each step's hop reports then tell how fast every server really computed against its table
+(`ComputeSpeeds`), and the next steps are scored at those speeds.
 """
 
 from __future__ import annotations
@@ -40,30 +42,34 @@ HOST_BUSY_CORES = 0.4
 STACK_MBPS = 700.0
 # weight of a step in each server's measured compute speed (its reported compute time against the model's)
 SPEED_WEIGHT = 0.3
+SPEED_TOLERANCE = 1.25  # a chosen M stands while every server's measured speed stays within this factor of its own then
 CONTEXT_BUCKET = 32  # steps whose context differs by less are scored alike
 MAX_REMEMBERED = 1024  # decisions kept per model
 
 
 class MicroBatchChooser:
-    """Picks M per step for one model; remembers which servers lacked a profile so that it says so once."""
+    """Picks M per step for one model, at the servers' measured compute speeds; remembers which servers lacked a
+    profile so that it says so once."""
 
     def __init__(self, config, link_mbps: float, compression: str):
         self.model = model_section_from_config(config)
         self.link_mbps, self.compression = link_mbps, compression
         self._unprofiled: set[str] = set()
-        self._chosen: dict[tuple, int] = {}
+        self._chosen: dict[tuple, tuple[int, list[float]]] = {}  # step key -> (M, the speeds it was chosen at)
+        self._modelled: dict[tuple, dict[str, float]] = {}  # step key and M -> each node's modelled compute
         self.speeds = ComputeSpeeds()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        """M for one step; the same chain (at the same measured speeds, to 0.1), batch and tokens over a context of
-        the same 32-token bucket reuse it."""
-        key = (tuple((s.peer_id, s.start, s.end, s.record.link_bandwidth, round(self.speeds.factor(node_name(s)), 1))
-                     for s in spans), batch_size, num_tokens, -(-context // CONTEXT_BUCKET))
-        if key not in self._chosen:
+        """M for one step; the same chain, batch and tokens over a context of the same 32-token bucket reuse it while
+        no server's measured speed moved by more than SPEED_TOLERANCE since."""
+        key = step_key(spans, batch_size, num_tokens, context)
+        factors = [self.speeds.factor(node_name(span)) for span in spans]
+        chosen = self._chosen.get(key)
+        if chosen is None or any(max(now / then, then / now) > SPEED_TOLERANCE for now, then in zip(factors, chosen[1])):
             if len(self._chosen) >= MAX_REMEMBERED:
                 self._chosen.clear()
-            self._chosen[key] = self._choose(spans, batch_size, num_tokens, context)
-        return self._chosen[key]
+            chosen = self._chosen[key] = (self._choose(spans, batch_size, num_tokens, context), factors)
+        return chosen[0]
 
     def _choose(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
         inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
@@ -85,10 +91,16 @@ class MicroBatchChooser:
                 compute_s: Sequence[float]) -> None:
         """Learn the servers' compute speeds from a step they served: `compute_s`, each one's reported compute time
         (all its micro-batches)."""
-        inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens), measured_speeds=False)
-        if inputs is not None:
-            self.speeds.observe(inputs, [span.end - span.start for span in spans], batch_size * num_tokens,
-                                micro_batches, compute_s)
+        key = (step_key(spans, batch_size, num_tokens, context), micro_batches)
+        if key not in self._modelled:
+            inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens), measured_speeds=False)
+            if inputs is None:
+                return
+            if len(self._modelled) >= MAX_REMEMBERED:
+                self._modelled.clear()
+            self._modelled[key] = modelled_compute(inputs, [span.end - span.start for span in spans],
+                                                   batch_size * num_tokens, micro_batches)
+        self.speeds.observe(self._modelled[key], [node_name(span) for span in spans], compute_s)
 
     def chain_inputs(self, spans: Sequence[Span], rows: int, context: int,
                      measured_speeds: bool = True) -> PlanInputs | None:
@@ -129,22 +141,28 @@ class ComputeSpeeds:
         factor (a busier or slower machine computes and handles messages slower alike)."""
         return [scaled_cost(node, self.factor(node["name"])) for node in nodes]
 
-    def observe(self, inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int,
-                compute_s: Sequence[float]) -> None:
-        """Fold in one step: `compute_s[i]`, the compute time node i reported (its tables unscaled in `inputs`)."""
-        evaluation = evaluate(inputs, assignment, rows, micro_batches)
-        if not evaluation.feasible:
-            return
-        modelled: dict[str, float] = {}
-        for interval in simulate(evaluation, cpu_shares(inputs))[0]:
-            if interval.kind == "compute":
-                name = interval.row.removesuffix(" compute")
-                modelled[name] = modelled.get(name, 0.0) + interval.end_s - interval.start_s
-        for node, measured in zip(inputs.nodes, compute_s):
-            if modelled.get(node.name, 0.0) > 0 and measured > 0:
-                ratio = measured / modelled[node.name]
-                old = self._factors.get(node.name)
-                self._factors[node.name] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+    def observe(self, modelled: dict[str, float], names: Sequence[str], compute_s: Sequence[float]) -> None:
+        """Fold in one step: `compute_s[i]`, the compute time node `names[i]` reported, against `modelled`
+        (`modelled_compute` of the step at the tables' speeds)."""
+        for name, measured in zip(names, compute_s):
+            if modelled.get(name, 0.0) > 0 and measured > 0:
+                ratio = measured / modelled[name]
+                old = self._factors.get(name)
+                self._factors[name] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+
+
+def modelled_compute(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> dict[str, float]:
+    """Each node's compute time in one step as the planner's simulation has it (all its micro-batches; empty if
+    the step does not fit)."""
+    evaluation = evaluate(inputs, assignment, rows, micro_batches)
+    if not evaluation.feasible:
+        return {}
+    modelled: dict[str, float] = {}
+    for interval in simulate(evaluation, cpu_shares(inputs))[0]:
+        if interval.kind == "compute":
+            name = interval.row.removesuffix(" compute")
+            modelled[name] = modelled.get(name, 0.0) + interval.end_s - interval.start_s
+    return modelled
 
 
 def scaled_cost(node: dict, factor: float) -> dict:
@@ -164,6 +182,12 @@ def scaled_cost(node: dict, factor: float) -> dict:
 
 def node_name(span: Span) -> str:
     return f"{span.peer_id}:{span.start}"
+
+
+def step_key(spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> tuple:
+    """Steps scored alike: the same chain, batch and tokens per row, over a context of the same 32-token bucket."""
+    return (tuple((s.peer_id, s.start, s.end, s.record.link_bandwidth) for s in spans), batch_size, num_tokens,
+            -(-context // CONTEXT_BUCKET))
 
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
