@@ -43,7 +43,6 @@ STACK_MBPS = 700.0
 # weight of a step in each server's measured compute speed (its reported compute time against the model's)
 SPEED_WEIGHT = 0.3
 SPEED_TOLERANCE = 1.25  # a chosen M stands while every server's measured speed stays within this factor of its own then
-CONTEXT_BUCKET = 32  # steps whose context differs by less are scored alike
 MAX_REMEMBERED = 1024  # decisions kept per model
 
 
@@ -60,8 +59,8 @@ class MicroBatchChooser:
         self.speeds = ComputeSpeeds()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        """M for one step; the same chain, batch and tokens over a context of the same 32-token bucket reuse it while
-        no server's measured speed moved by more than SPEED_TOLERANCE since."""
+        """M for one step; steps scored alike (`step_key`) reuse it while no server's measured speed moved by more
+        than SPEED_TOLERANCE since."""
         key = step_key(spans, batch_size, num_tokens, context)
         factors = [self.speeds.factor(node_name(span)) for span in spans]
         chosen = self._chosen.get(key)
@@ -76,8 +75,15 @@ class MicroBatchChooser:
         if inputs is None:
             return 1
         assignment = [span.end - span.start for span in spans]
-        times = {m: predicted_step_s(inputs, assignment, batch_size * num_tokens, m) for m in CANDIDATES if m <= batch_size}
-        return min(times, key=times.get)
+        best, best_s, previous_s = 1, float("inf"), float("inf")
+        for micro_batches in (m for m in CANDIDATES if m <= batch_size):
+            seconds = predicted_step_s(inputs, assignment, batch_size * num_tokens, micro_batches)
+            if seconds < best_s:
+                best, best_s = micro_batches, seconds
+            if seconds > previous_s:  # past the minimum: step times fall to one as M grows, then rise
+                break
+            previous_s = seconds
+        return best
 
     def step_seconds(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int,
                      micro_batches: int) -> float | None:
@@ -185,9 +191,9 @@ def node_name(span: Span) -> str:
 
 
 def step_key(spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> tuple:
-    """Steps scored alike: the same chain, batch and tokens per row, over a context of the same 32-token bucket."""
+    """Steps scored alike: the same chain, batch and tokens per row, over a context in the same power-of-two range."""
     return (tuple((s.peer_id, s.start, s.end, s.record.link_bandwidth) for s in spans), batch_size, num_tokens,
-            -(-context // CONTEXT_BUCKET))
+            max(context - 1, 0).bit_length())
 
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
