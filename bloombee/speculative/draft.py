@@ -54,16 +54,18 @@ class DraftModel:
     def __init__(self, model: str = "bloombee-tiny-draft", dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu"):
         """`dtype` "auto": the blocks and the head (embeddings, LM head) each in the faster of float32 and bfloat16 on
-        `device`, measured on their matrices' shapes for a level of 4 nodes (`faster_dtype`)."""
+        `device`, measured for a level of 4 nodes (`faster_dtype`)."""
         path = resolve_model(model)
         config = load_model_config(path)
+        auto = dtype == "auto"
+        self.head = load_client_head(path, torch.float32 if auto else dtype, device)
         block_dtype = head_dtype = dtype
-        if dtype == "auto":
-            block_dtype = faster_dtype(config.intermediate_size, config.hidden_size, rows=4, device=device)
-            head_dtype = faster_dtype(config.vocab_size, config.hidden_size, rows=4, device=device)
+        if auto:  # the blocks timed on a matrix of their MLP's shape, the head on its own weights
+            block_dtype = faster_dtype(torch.zeros(config.intermediate_size, config.hidden_size, device=device), rows=4)
+            head_dtype = faster_dtype(self.head.lm_head.weight, rows=4)
+            self.head.to(head_dtype)
             logger.info("draft %s: blocks in %s, head in %s", model, block_dtype, head_dtype)
         self.stack = load_block_stack(path, 0, config.num_hidden_layers, block_dtype, device)
-        self.head = load_client_head(path, head_dtype, device)
         self.block_dtype, self.head_dtype = block_dtype, head_dtype
         self.device = self.head.device
         self.caches, self.token_mask = [], None

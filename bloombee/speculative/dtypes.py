@@ -20,23 +20,22 @@ logger = logging.getLogger(__name__)
 CANDIDATES = (torch.float32, torch.bfloat16)
 
 
-def faster_dtype(out_features: int, in_features: int, rows: int, device: torch.device | str = "cpu",
-                 repeats: int = 5) -> torch.dtype:
-    """float32 or bfloat16: whichever multiplies `rows` inputs by an [out_features, in_features] weight faster on
-    `device` (the median of a few timed runs after one warm-up)."""
+def faster_dtype(weight: torch.Tensor, rows: int, repeats: int = 5) -> torch.dtype:
+    """float32 or bfloat16: whichever multiplies `rows` inputs by `weight` (a copy in each dtype; no copy in its own)
+    faster on its device (the median of a few timed runs after one warm-up)."""
     timings = {}
     for dtype in CANDIDATES:
-        weight = torch.randn(out_features, in_features, device=device, dtype=dtype)
-        hidden = torch.randn(rows, in_features, device=device, dtype=dtype)
+        converted = weight.to(dtype)
+        hidden = torch.randn(rows, converted.shape[1], device=converted.device, dtype=dtype)
         seconds = []
         for _ in range(repeats + 1):
             began = time.perf_counter()
-            torch.nn.functional.linear(hidden, weight)
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize(weight.device)
+            torch.nn.functional.linear(hidden, converted)
+            if converted.device.type == "cuda":
+                torch.cuda.synchronize(converted.device)
             seconds.append(time.perf_counter() - began)
         timings[dtype] = statistics.median(seconds[1:])
     chosen = min(timings, key=timings.get)
-    logger.debug("[%d, %d] x %d rows: %.3f ms float32, %.3f ms bfloat16", out_features, in_features, rows,
+    logger.debug("%s x %d rows: %.3f ms float32, %.3f ms bfloat16", list(weight.shape), rows,
                  1000 * timings[torch.float32], 1000 * timings[torch.bfloat16])
     return chosen

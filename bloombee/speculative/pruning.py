@@ -136,7 +136,7 @@ class TreePruner:
             return None
         head = load_client_head(model_path, dtype=dtype or torch.float32, device=device)
         if dtype is None:
-            head.to(faster_dtype(*head.lm_head.weight.shape, rows=16, device=device))
+            head.to(faster_dtype(head.lm_head.weight, rows=16))
             logger.info("proxy LM head in %s", next(head.parameters()).dtype)
         proxy = ProxyHead(head.config.hidden_size, head.norm, head.lm_head)  # embeddings are not kept
         proxy.adapter.load_state_dict({"weight": state[f"proxy.{layer}.weight"], "bias": state[f"proxy.{layer}.bias"]})
