@@ -30,7 +30,7 @@ from bloombee.protocol import (
     encode_tensors,
     envelope,
     pack,
-    unpack,
+    unpack_timed,
 )
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.settings import ClientSettings
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
-SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "compute_s", "encode_s")  # HopReport fields added up over micro-batches
+SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "decode_cpu_s", "compute_s", "encode_s")  # HopReport fields added up over micro-batches
 
 
 def joined(outputs: dict[int, dict[str, torch.Tensor]], parts: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -115,19 +115,23 @@ class StepStats:
     sent_at: list[float] = field(default_factory=list)  # wall-clock time each micro-batch left the client
     received_at: list[float] = field(default_factory=list)  # ... and each output arrived, in arrival order
     micro_batch_reports: list[list[HopReport]] = field(default_factory=list)  # each output's reports, in arrival order
+    sent: dict[int, tuple[str, int]] = field(default_factory=dict)  # first row -> (layout, raw bytes) the client sent
+    received_decode_cpu_s: list[float] = field(default_factory=list)  # the client's decode CPU seconds of each output
 
-    def add_sent(self, encoded: EncodedTensors) -> None:
+    def add_sent(self, offset: int, encoded: EncodedTensors) -> None:
         self.sent_at.append(time.time())
+        self.sent[offset] = (encoded.layout, encoded.raw_bytes)
         if not self.sent_raw_bytes:
             self.client_layout = encoded.layout
         self.client_encode_s += encoded.seconds
         self.sent_raw_bytes += encoded.raw_bytes
         self.sent_wire_bytes += encoded.wire_bytes
 
-    def add_received(self, reports: tuple[HopReport, ...], decode_s: float, wire_bytes: int) -> None:
+    def add_received(self, reports: tuple[HopReport, ...], decode_s: float, decode_cpu_s: float, wire_bytes: int) -> None:
         """One micro-batch's output arrived with every server's report of it."""
         self.received_at.append(time.time() - decode_s)
         self.micro_batch_reports.append(list(reports))
+        self.received_decode_cpu_s.append(decode_cpu_s)
         self.client_decode_s += decode_s
         self.received_wire_bytes += wire_bytes
         if not self.reports:
@@ -438,7 +442,7 @@ class InferenceSession:
             encoded = await loop.run_in_executor(None, encode_tensors, tensors, self._policy(chain[0]))
             step = header.model_copy(update={"batch_offset": offset})
             await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=step), encoded.frames))
-            stats.add_sent(encoded)
+            stats.add_sent(offset, encoded)
 
     def planned_micro_batches(self, chain: list[SpanStream], num_tokens: int) -> int | None:
         """The M of the plan every server of `chain` follows, for the decode steps of the batch size it planned."""
@@ -475,16 +479,18 @@ class InferenceSession:
         return self.policy_for(stream.span.peer_id, stream.span.record)
 
     def _learn_decode_speeds(self, chain: list[SpanStream], stats: StepStats) -> None:
-        """Each server's report times its decode of what the hop before it sent: feed that to the senders' policies."""
-        if len(stats.reports) != len(chain):
-            return
-        sent = [(stats.client_layout, stats.sent_raw_bytes)] + [(r.layout, r.raw_bytes) for r in stats.reports]
-        for stream, report, (layout, raw_bytes) in zip(chain, stats.reports, sent):
-            if layout != "raw" and report.decode_s > 0:
-                self._policy(stream).observe_decode(raw_bytes, report.decode_s)
-        layout, raw_bytes = sent[-1]
-        if layout != "raw" and stats.client_decode_s > 0:
-            self._own_decode_speed.update(raw_bytes / stats.client_decode_s)
+        """Each server's report times (in CPU seconds) its decode of what the hop before it sent, micro-batch by
+        micro-batch: feed the compressed ones to the senders' policies, and this client's own decodes to its speed."""
+        for reports, client_cpu_s in zip(stats.micro_batch_reports, stats.received_decode_cpu_s):
+            if len(reports) != len(chain) or reports[0].batch_offset not in stats.sent:
+                continue
+            sent = [stats.sent[reports[0].batch_offset]] + [(report.layout, report.raw_bytes) for report in reports]
+            for stream, report, (layout, raw_bytes) in zip(chain, reports, sent):
+                if layout != "raw" and report.decode_cpu_s > 0:
+                    self._policy(stream).observe_decode(raw_bytes, report.decode_cpu_s)
+            layout, raw_bytes = sent[-1]
+            if layout != "raw" and client_cpu_s > 0:
+                self._own_decode_speed.update(raw_bytes / client_cpu_s)
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, expected: float,
                      stats: StepStats | None = None, offsets: Sequence[int] = (0,),
@@ -515,7 +521,7 @@ class InferenceSession:
                 raise ServerFailed(index, f"stream lost: {item!r}")
             received = time.perf_counter()
             try:
-                message, tensors = unpack(item)
+                message, tensors, decode_cpu_s = unpack_timed(item)
             except (CodecError, ValueError) as error:
                 raise ServerFailed(index, f"sent a malformed message: {error}") from error
             if message.step_id not in (None, step_id) and message.step_id not in earlier:
@@ -532,7 +538,7 @@ class InferenceSession:
                 pending.discard(offset)
                 outputs[offset] = tensors
                 if stats is not None:
-                    stats.add_received(message.reports, time.perf_counter() - received,
+                    stats.add_received(message.reports, time.perf_counter() - received, decode_cpu_s,
                                        sum(len(frame.buffer) for frame in item.tensors))
                 if not pending:
                     return outputs

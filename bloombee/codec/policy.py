@@ -8,9 +8,16 @@ the encode and decode speeds in raw bytes per second). Compression pays iff
 
 ``CompressionPolicy`` keeps exponentially weighted averages of ``r``, ``1/C`` and ``1/D`` from the
 encodes it makes and the decodes its receiver reports (the receiver's own speed travels back in
-each step's hop reports), and of ``B`` from observed transfers (seeded by the bandwidth the caller
-gives), and applies the rule per message. Use one policy per link. While it keeps choosing
-raw it still compresses one message in ``probe_every`` so that its estimates follow the traffic.
+each step's hop reports), takes ``B`` from the caller (the link speed the DHT records announce, the
+figure the planner models the hop with), and applies the rule per message. Use one policy per link.
+While it keeps choosing raw it still compresses one message in ``probe_every`` so that its estimates
+follow the traffic.
+
+Speeds are CPU time of the thread that encodes or decodes. Wall time on a busy machine also counts
+the waits for the interpreter lock and for a core (measured here: 16 KiB frames that take 50 us of
+CPU took 1-4 ms of wall time in a swarm of three servers on two cores), which would make
+compression look 20-100x dearer than it is. Transfers are not timed either: the time from a push to
+its acknowledgement is mostly the receiver's turnaround, not bytes over the link.
 """
 
 from __future__ import annotations
@@ -104,7 +111,6 @@ class CompressionPolicy:
         prior_decompress_speed: float = PRIOR_DECOMPRESS_SPEED,
         min_bytes: int = MIN_COMPRESS_BYTES,
         probe_every: int = 32,
-        min_transfer_bytes: int = 16384,
     ):
         if mode not in MODES:
             raise ValueError(f"CompressionPolicy mode must be one of {', '.join(MODES)}, not {mode!r}.")
@@ -116,13 +122,11 @@ class CompressionPolicy:
         self.level = level
         self.min_bytes = min_bytes
         self.probe_every = probe_every
-        self.min_transfer_bytes = min_transfer_bytes
         self._lock = threading.Lock()
         self._ratio = Ewma(alpha, prior_ratio)
         self._enc_spb = Ewma(alpha, 1.0 / prior_compress_speed)  # seconds per raw byte
         self._dec_spb = Ewma(alpha, 1.0 / prior_decompress_speed)
-        self._bw_given = link_bandwidth
-        self._bw_seen = Ewma(alpha, None)
+        self._bandwidth = link_bandwidth
         self._raw_streak = 0
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}
         self._last: Decision | None = None
@@ -147,8 +151,8 @@ class CompressionPolicy:
 
     @property
     def bandwidth(self) -> float | None:
-        """Observed transfer bandwidth once there is one, else the caller's figure (or None)."""
-        return self._bw_seen.value if self._bw_seen.count else self._bw_given
+        """The link bandwidth the caller gave (bytes/s), or None."""
+        return self._bandwidth
 
     # ------------------------------------------------------------------ decision
     def choose(self, num_bytes: int, link_bandwidth: float | None = None) -> str:
@@ -157,7 +161,7 @@ class CompressionPolicy:
             if link_bandwidth is not None:
                 if link_bandwidth <= 0:
                     raise ValueError("link_bandwidth must be a positive number of bytes per second.")
-                self._bw_given = link_bandwidth
+                self._bandwidth = link_bandwidth
             d = self._decide(num_bytes)
             self._last = d
             self._counts["compressed" if d.compress else "raw"] += 1
@@ -204,7 +208,7 @@ class CompressionPolicy:
 
     # ------------------------------------------------------------------ observations
     def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
-        """Record one encode the policy asked to compress: sizes and wall time."""
+        """Record one encode the policy asked to compress: sizes and CPU seconds."""
         if raw_bytes <= 0 or encoded_bytes <= 0 or seconds < 0:
             return
         with self._lock:
@@ -212,7 +216,7 @@ class CompressionPolicy:
             self._enc_spb.update(max(seconds, 1e-9) / raw_bytes)
 
     def observe_decode(self, raw_bytes: int, seconds: float) -> None:
-        """Record one decode of a compressed frame: decoded size and wall time."""
+        """Record one decode of a compressed frame: decoded size and CPU seconds."""
         if raw_bytes <= 0 or seconds < 0:
             return
         with self._lock:
@@ -225,23 +229,15 @@ class CompressionPolicy:
         with self._lock:
             self._dec_spb.set(1.0 / speed)
 
-    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
-        """Record one transfer over this link; transfers under ``min_transfer_bytes`` are latency
-        dominated and are ignored for bandwidth."""
-        if num_bytes < self.min_transfer_bytes or seconds <= 0:
-            return
-        with self._lock:
-            self._bw_seen.update(num_bytes / seconds)
-
     # ------------------------------------------------------------------ conveniences
     def encode(self, tensor: torch.Tensor, link_bandwidth: float | None = None) -> bytes:
         """choose + encode + observe_encode in one call."""
         raw_bytes = tensor.numel() * tensor.element_size()
         layout = self.choose(raw_bytes, link_bandwidth)
-        start = time.perf_counter()
+        start = time.thread_time()
         data = encode(tensor, layout, level=self.level, accepted=self.accepted)
         if layout != "raw":
-            self.observe_encode(raw_bytes, len(data), time.perf_counter() - start)
+            self.observe_encode(raw_bytes, len(data), time.thread_time() - start)
         return data
 
     def report(self) -> dict:
@@ -256,12 +252,10 @@ class CompressionPolicy:
                     "compress_speed": self.compress_speed,
                     "decompress_speed": self.decompress_speed,
                     "bandwidth": self.bandwidth,
-                    "bandwidth_given": self._bw_given,
                     "break_even_bandwidth": break_even_bandwidth(self.ratio, self.compress_speed, self.decompress_speed),
                     "observations": {
                         "encode": self._ratio.count,
                         "decode": self._dec_spb.count,
-                        "transfer": self._bw_seen.count,
                     },
                 },
                 "counts": dict(self._counts),

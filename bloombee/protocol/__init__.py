@@ -16,6 +16,7 @@ from bloombee.protocol.messages import (
     error_envelope,
     pack,
     unpack,
+    unpack_timed,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "error_envelope",
     "pack",
     "unpack",
+    "unpack_timed",
 ]

@@ -74,6 +74,7 @@ class HopReport(BaseModel):
     raw_bytes: int = 0
     wire_bytes: int = 0
     decode_s: float = 0.0
+    decode_cpu_s: float = 0.0  # CPU seconds of the decode alone, in its thread (what decode speeds are learned from)
     compute_s: float = 0.0
     encode_s: float = 0.0
     batch_offset: int = 0  # the micro-batch's first row
@@ -183,13 +184,24 @@ def unpack(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse, max
            names: tuple[str, ...] | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
     """Message header and decoded tensors of an envelope, which may hold at most `max_bytes` of tensors in all and,
     when `names` is given, only tensors so named; raises ValueError naming what is malformed."""
+    message, tensors, _ = unpack_timed(envelope, max_bytes, names)
+    return message, tensors
+
+
+def unpack_timed(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse,
+                 max_bytes: int = codec.DEFAULT_MAX_BYTES,
+                 names: tuple[str, ...] | None = None) -> tuple[Message, dict[str, torch.Tensor], float]:
+    """`unpack`, and the CPU seconds this thread spent decoding the tensors (what the codec policies learn decode
+    speeds from: see `CompressionPolicy`)."""
     message = Message.model_validate_json(envelope.metadata)
-    tensors = {}
+    tensors, cpu_s = {}, 0.0
     for proto in envelope.tensors:
         if names is not None and proto.dtype not in names:
             raise ValueError(f"unexpected tensor {proto.dtype[:64]!r}: a {message.kind.value} message carries {list(names)}")
         if proto.dtype in tensors:
             raise ValueError(f"tensor {proto.dtype[:64]!r} appears twice in one message")
+        began = time.thread_time()
         tensors[proto.dtype] = codec.decode(proto.buffer, max_bytes=max_bytes)
+        cpu_s += time.thread_time() - began
         max_bytes -= tensors[proto.dtype].nbytes
-    return message, tensors
+    return message, tensors, cpu_s

@@ -233,7 +233,7 @@ class BlockServicer:
         next_header = header.model_copy(update={"session_id": hop.session_id, "route": header.route[1:]})
         try:
             await channel.send(envelope_of(Message(kind=MessageKind.STEP, step=next_header), encoded.frames),
-                               header.step_id, header.batch_offset, encoded.wire_bytes)
+                               header.step_id, header.batch_offset)
         except Exception as error:
             return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
         return None
@@ -249,8 +249,8 @@ class BlockServicer:
             notify(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
                            error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
 
-        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.push_policy(session, hop),
-                                           self.settings.push_buffer_bytes, self.push_stats, self.settings.push_timeout)
+        session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.settings.push_buffer_bytes,
+                                           self.push_stats, self.settings.push_timeout)
         return session.push_channel
 
     @staticmethod

@@ -35,7 +35,7 @@ from bloombee.protocol import (
     envelope,
     error_envelope,
     pack,
-    unpack,
+    unpack_timed,
 )
 from bloombee.server.backend import BAD_INPUT, InvalidStep
 from bloombee.server.sessions import Session
@@ -59,6 +59,7 @@ class DecodedStep:
     tensors: dict[str, torch.Tensor]
     decode_at: float
     decode_s: float
+    decode_cpu_s: float
 
 
 @dataclass
@@ -140,10 +141,11 @@ class SessionPipeline:
             if message.step.session_id != self.session.session_id:
                 raise InvalidStep(f"the step names session {message.step.session_id[:128]!r}, not this stream's session")
             began, decode_at = time.perf_counter(), time.time()
-            _, tensors = await self.servicer.run_codec(unpack, item, self.servicer.max_request_bytes, STEP_TENSORS)
+            _, tensors, cpu_s = await self.servicer.run_codec(unpack_timed, item, self.servicer.max_request_bytes,
+                                                              STEP_TENSORS)
             if "hidden" not in tensors:
                 raise InvalidStep("a step needs a 'hidden' tensor")
-            return DecodedStep(message.step, tensors, decode_at, time.perf_counter() - began)
+            return DecodedStep(message.step, tensors, decode_at, time.perf_counter() - began, cpu_s)
         except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), step_id)
             return None
@@ -195,7 +197,8 @@ class SessionPipeline:
             return None
         if header.route and header.compact_start is not None:
             sent_on.update({name: tensors[name] for name in COMPACT_TENSORS})
-        report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, compute_s=compute_s,
+        report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, decode_cpu_s=step.decode_cpu_s,
+                           compute_s=compute_s,
                            batch_offset=header.batch_offset, decode_at=step.decode_at, compute_at=compute_at,
                            duplicate=duplicate, nodes=sent_on["hidden"].shape[0] if "tree_ids" in sent_on else 0)
         return ComputedStep(header, sent_on, report)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from bloombee.codec import CompressionPolicy
 from bloombee.protocol import Message, MessageKind
 from bloombee.protocol.service import block_service_stub
 
@@ -35,12 +34,12 @@ class PushChannel:
     """
 
     def __init__(self, p2p: P2P, peer_id: str, session_id: str, on_failure: Callable[[str, str], None],
-                 policy: CompressionPolicy, buffer_bytes: int, stats: PushStats, timeout: float):
-        self.peer_id, self.session_id, self.policy = peer_id, session_id, policy
+                 buffer_bytes: int, stats: PushStats, timeout: float):
+        self.peer_id, self.session_id = peer_id, session_id
         self.buffer_bytes, self.stats, self.timeout = buffer_bytes, stats, timeout
-        self._sent: dict[tuple[int, int], tuple[float, int]] = {}  # (step id, row) -> (send time, wire bytes), until acked
+        self._sent: dict[tuple[int, int], float] = {}  # (step id, row) -> when the stream took it, until acked
         self._stub = block_service_stub(p2p, peer_id)
-        self._outbox: deque[tuple[runtime_pb2.ExpertRequest, int, tuple[int, int], int]] = deque()
+        self._outbox: deque[tuple[runtime_pb2.ExpertRequest, int, tuple[int, int]]] = deque()
         self._queued_bytes = 0
         self._changed = asyncio.Condition()
         self._on_failure = on_failure
@@ -49,20 +48,20 @@ class PushChannel:
         self._closing = False
         self.failed = False
 
-    async def send(self, envelope: runtime_pb2.ExpertRequest, step_id: int, batch_offset: int, wire_bytes: int) -> None:
-        """Queue a step for the next server, waiting while the buffer is full; its ack times the transfer."""
+    async def send(self, envelope: runtime_pb2.ExpertRequest, step_id: int, batch_offset: int) -> None:
+        """Queue a step for the next server, waiting while the buffer is full."""
         if self._reader is None and not self.failed:
             responses = await asyncio.wait_for(self._stub.rpc_push(self._stream()), self.timeout)
             self._reader = asyncio.create_task(self._read_acks(responses))
             self._watchdog = asyncio.create_task(self._watch_acks())
         try:
-            await asyncio.wait_for(self._enqueue(envelope, (step_id, batch_offset), wire_bytes), self.timeout)
+            await asyncio.wait_for(self._enqueue(envelope, (step_id, batch_offset)), self.timeout)
         except asyncio.TimeoutError:
             reason = f"no room in the push buffer for {self.timeout:g} s: the next server does not take pushes"
             await self._fail(reason)
             raise ConnectionError(f"push to {self.peer_id} failed: {reason}") from None
 
-    async def _enqueue(self, envelope: runtime_pb2.ExpertRequest, key: tuple[int, int], wire_bytes: int) -> None:
+    async def _enqueue(self, envelope: runtime_pb2.ExpertRequest, key: tuple[int, int]) -> None:
         size = envelope.ByteSize()
         async with self._changed:
             if self._queued_bytes and self._queued_bytes + size > self.buffer_bytes:
@@ -71,7 +70,7 @@ class PushChannel:
                                          or self._queued_bytes + size <= self.buffer_bytes)
             if self.failed or self._closing:
                 raise ConnectionError(f"push stream to {self.peer_id} has already failed or closed")
-            self._outbox.append((envelope, size, key, wire_bytes))
+            self._outbox.append((envelope, size, key))
             self._queued_bytes += size
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
             self._changed.notify_all()
@@ -83,9 +82,9 @@ class PushChannel:
                 await self._changed.wait_for(lambda: self._outbox or self._closing or self.failed)
                 if not self._outbox or self.failed:
                     return
-                envelope, size, key, wire_bytes = self._outbox.popleft()
+                envelope, size, key = self._outbox.popleft()
                 self._queued_bytes -= size
-                self._sent[key] = (time.perf_counter(), wire_bytes)
+                self._sent[key] = time.perf_counter()
                 self._changed.notify_all()
             yield envelope
 
@@ -96,9 +95,7 @@ class PushChannel:
                 if message.kind == MessageKind.ERROR:
                     await self._fail(message.error or "the next server refused a push")
                     return
-                sent_at, wire_bytes = self._sent.pop((message.step_id, message.batch_offset or 0), (None, 0))
-                if sent_at is not None:
-                    self.policy.observe_transfer(wire_bytes, time.perf_counter() - sent_at)
+                self._sent.pop((message.step_id, message.batch_offset or 0), None)
         except Exception as error:  # the stream broke: the peer died or the connection dropped
             await self._fail(f"{type(error).__name__}: {error}")
             return
@@ -109,7 +106,7 @@ class PushChannel:
         """Fail the channel when the oldest step the stream took has gone unacknowledged for `timeout` seconds."""
         while not (self.failed or self._closing):
             await asyncio.sleep(min(self.timeout / 4, 0.5))
-            oldest = min((sent_at for sent_at, _ in self._sent.values()), default=None)
+            oldest = min(self._sent.values(), default=None)
             if oldest is not None and time.perf_counter() - oldest > self.timeout:
                 await self._fail(f"no acknowledgement within {self.timeout:g} s")
 
