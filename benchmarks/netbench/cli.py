@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--max-length", type=int, default=0,
                        help="the sessions' max_length, i.e. KV cache length (0: prompt + new tokens)")
     sweep.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up session before each run")
+    sweep.add_argument("--warmup-round-tokens", type=int, default=3,
+                       help="a round before the measured ones in each environment: every configuration generates this many "
+                            "tokens of the full prompt, unrecorded (the first full-size steps on new servers and links are "
+                            "slow: up to 5x here); 0 = none")
     sweep.add_argument("--envs", default="E1,E2,E3,E4,E5",
                        help=f"comma-separated: {', '.join(presets.PRESETS)}, custom:RATE (e.g. custom:50mbit), matrix:FILE, "
                             "'uniform' (E1-E5) or 'all'")
@@ -162,7 +166,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "model_path": model_path, "model_name": model_name, "model_note": model_note,
         "hidden_size": model_config.hidden_size, "num_blocks": model_config.num_hidden_layers, "dtype": args.dtype,
         "ranges": ranges, "server_nodes": server_nodes, "batch": args.batch, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "max_length": args.max_length, "warmup_steps": args.warmup_steps, "envs": [env.to_dict() for env in envs],
+        "new_tokens": args.new_tokens, "max_length": args.max_length, "warmup_steps": args.warmup_steps,
+        "warmup_round_tokens": args.warmup_round_tokens, "envs": [env.to_dict() for env in envs],
         "configs": [config.to_dict() for config in configs], "server_threads": server_threads,
         "client_threads": args.client_threads, "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(), "repeats": args.repeats,
@@ -254,6 +259,9 @@ def run_group(args, index: int, group_configs: list[knobs.Configuration], group_
         bar = progress_bar(len(group_envs) * args.repeats * len(group_configs), f"server set {index}", unit="run")
         for env in group_envs:
             topology.apply(env)
+            if args.warmup_round_tokens:
+                for config in group_configs:
+                    run_with_retries(args, topology, swarm, worker, env, config, names, nodes, args.warmup_round_tokens)
             for repeat in range(args.repeats):
                 order = group_configs if repeat % 2 == 0 else list(reversed(group_configs))
                 for config in order:
@@ -314,8 +322,9 @@ def measure_background(topology: netns.Topology, seconds: float) -> dict | None:
 
 
 def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: presets.Environment,
-            config: knobs.Configuration, names: list[str], nodes: list[str]) -> dict[str, Any]:
-    """Run the workload once in the current shaping; the chain it took and one repeat's raw record."""
+            config: knobs.Configuration, names: list[str], nodes: list[str], new_tokens: int) -> dict[str, Any]:
+    """Run the workload (`new_tokens` tokens) once in the current shaping; the chain it took and one repeat's raw
+    record."""
     snapshots: dict[str, dict] = {}
     marks_at: dict[str, float] = {}
 
@@ -326,7 +335,7 @@ def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: pre
     qdisc_before = topology.qdisc_stats()
     result = worker.call("run", timeout=args.run_timeout, on_mark=on_mark, allowed=names,
                          settings=client_settings(config, env, nodes, args.request_timeout), batch=args.batch, prompt_len=args.prompt_len,
-                         new_tokens=args.new_tokens, warmup_steps=args.warmup_steps, seed=args.seed,
+                         new_tokens=new_tokens, warmup_steps=args.warmup_steps, seed=args.seed,
                          max_length=args.max_length)
     hops = metrics.hops_of(result["chain"])
     expected = ["client"] + [metrics.node_of(name) for name in names] + ["client"]
@@ -339,14 +348,15 @@ def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: pre
         "qdisc_after": topology.qdisc_stats(), "loadavg": os.getloadavg()}}
 
 
-def run_with_retries(args, topology, swarm, worker, env, config, names, nodes) -> dict[str, Any]:
-    """run_one, again after a failed attempt (a loaded machine can make a DHT lookup or a step time out)."""
+def run_with_retries(args, topology, swarm, worker, env, config, names, nodes, new_tokens: int | None = None) -> dict[str, Any]:
+    """run_one (`new_tokens`, default the sweep's), again after a failed attempt (a loaded machine can make a DHT
+    lookup or a step time out)."""
     from benchmarks.netbench.swarm import WorkerError
 
     failures: list[str] = []
     for attempt in range(args.retries + 1):
         try:
-            rep = run_one(args, topology, worker, env, config, names[config.name], nodes)
+            rep = run_one(args, topology, worker, env, config, names[config.name], nodes, new_tokens or args.new_tokens)
             rep["failed_attempts"] = failures
             return rep
         except WorkerError as error:

@@ -218,6 +218,7 @@ def summarize(run: dict) -> dict[str, Any]:
         "servers": len(hops) - 1, "repeats": len(repeats), "decode_steps": n_decode,
         "decode_tokens_per_s": batch * n_decode / sum(walls),
         "e2e_tokens_per_s": batch * len(steps) / sum(rep["generation_s"] for rep in repeats),
+        "e2e_tokens_per_s_repeats": [batch * len(rep["steps"]) / rep["generation_s"] for rep in repeats],
         "step_median_s": median(walls), "step_p90_s": percentile(walls, 90),
         "chain_median_s": chain_median, "chain_p90_s": percentile([s["chain_s"] for s in decode_steps], 90),
         "head_median_s": median(step["head_s"] for step in decode_steps),

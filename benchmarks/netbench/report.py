@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netbench.metrics import CPU_COPY_NOTE, HEADER_BYTES
+from benchmarks.netbench.metrics import CPU_COPY_NOTE, HEADER_BYTES, median
 
 
 def _ms(seconds: float | None) -> str:
@@ -67,6 +67,33 @@ def comparison_table(summaries: list[dict], reference: str = "baseline") -> str:
     return "\n".join(lines)
 
 
+def paired_ratio(run: dict, other: dict) -> list[float]:
+    """`run`'s end-to-end tokens/s over `other`'s, repeat by repeat: the two ran in the same round, within a minute
+    or two of each other, so a slow phase of the machine slows both."""
+    return [mine / theirs for mine, theirs in zip(run["e2e_tokens_per_s_repeats"], other["e2e_tokens_per_s_repeats"])]
+
+
+def auto_table(summaries: list[dict], auto: str = "auto", off: str = "baseline") -> str:
+    """Per environment: the best configuration by median end-to-end tokens/s over repeats, and `auto` against it and
+    against `off`, as the median of their repeat-by-repeat ratios (with the range)."""
+    by_key = {(s["env"], s["config"]): s for s in summaries if s.get("e2e_tokens_per_s_repeats")}
+    header = ("| env | auto tok/s (median) | best configuration | its tok/s (median) | auto / best, paired: median (range) "
+              f"| auto / {off}, paired: median (range) |")
+    lines = [header, _rule(header)]
+    for env in dict.fromkeys(s["env"] for s in summaries):
+        runs = {config: run for (e, config), run in by_key.items() if e == env}
+        if auto not in runs:
+            continue
+        best = max(runs, key=lambda config: median(runs[config]["e2e_tokens_per_s_repeats"]))
+        cells = [env, f"{median(runs[auto]['e2e_tokens_per_s_repeats']):.1f}", best,
+                 f"{median(runs[best]['e2e_tokens_per_s_repeats']):.1f}"]
+        for other in (best, off):
+            ratios = paired_ratio(runs[auto], runs[other]) if other in runs else []
+            cells.append(f"{median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def breakdown_table(summaries: list[dict]) -> str:
     header = ("| env | config | hop | rate Mbps | KB (iface) | T d2h ms | T encode+send ms | T wire ms (of which at rate) "
               "| T recv+decode ms | T h2d ms | compute ms (receiver) |")
@@ -95,6 +122,9 @@ COLUMNS = (
     "of the blocks + every hop's interface bytes at its shaped rate (unshaped hops count 0); `measured/floor` = "
     f"median chain time (client encode to client decode) / floor. {CPU_COPY_NOTE}."
 )
+AUTO_NOTE = ("Every configuration ran once per round, the rounds one after another; a ratio is taken within a round "
+             "(auto's run over the other configuration's run in the same round), and the median over the rounds is "
+             "given with their range. The best configuration is the one with the highest median tokens/s.")
 BREAKDOWN_NOTE = ("T wire = step time left after encode, decode and compute, per hop: its bytes at the shaped rate "
                   "(in brackets) plus an equal share of the remaining stack overhead.")
 
@@ -112,7 +142,9 @@ def describe(meta: dict) -> list[str]:
         (f"Model: {meta['model_name']} ({meta['model_note']}); hidden {meta['hidden_size']}, {meta['num_blocks']} blocks, "
          f"dtype {dtype}. Servers: {servers}. Batch {meta['batch']}, prompt {meta['prompt_len']} tokens, "
          f"{meta['new_tokens']} new tokens (1 prefill + {meta['new_tokens'] - 1} decode steps), {meta.get('repeats', 1)} "
-         f"repeat(s); before each run a warm-up session (1-token prompt, {meta['warmup_steps']} decode steps)."),
+         f"repeat(s); before each run a warm-up session (1-token prompt, {meta['warmup_steps']} decode steps)"
+         + (f"; before the measured rounds of each environment, an unrecorded round of {meta['warmup_round_tokens']} "
+            "tokens per configuration." if meta.get("warmup_round_tokens") else ".")),
         (f"Machine: {machine['cpus']} CPUs (shared), load average {machine['loadavg_start']} at the start, "
          f"{machine.get('loadavg_end', '?')} at the end; kernel {machine['kernel']}; git {machine['git']}; {meta['started']}."),
     ]
@@ -124,6 +156,9 @@ def write_markdown(path: Path, meta: dict, summaries: list[dict]) -> None:
     comparison = comparison_table(summaries)
     if comparison:
         lines += ["## Against the baseline", "", comparison, ""]
+    if any(s["config"] == "auto" for s in summaries):
+        lines += ["## auto against the best configuration and against off (end-to-end tokens/s, prefill included)", "",
+                  AUTO_NOTE, "", auto_table(summaries), ""]
     lines += ["## Transport breakdown (median decode step)", "", BREAKDOWN_NOTE, "",
               breakdown_table(summaries), "",
               "## The planner's prediction against the measurement (median chain time; ratio = predicted / measured)", "",
