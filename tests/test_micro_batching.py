@@ -12,7 +12,7 @@ from bloombee.client.session import InferenceSession, split_rows
 from bloombee.client.spans import SpanStream
 from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState
-from bloombee.protocol import PROTOCOL_FEATURES, REQUIRED_FEATURES
+from bloombee.protocol import PROTOCOL_FEATURES, REQUIRED_FEATURES, HopReport
 from bloombee.settings import ClientSettings
 
 CONFIG = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
@@ -33,6 +33,11 @@ def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL
                           version="test", codec_version=CODEC_VERSION, features=features, profile=node,
                           planned_batch_size=planned[0], planned_micro_batches=planned[1])
     return Span(f"peer{start}", start, end, record)
+
+
+def reports(compute_s: list[float]) -> list[HopReport]:
+    """Hop reports of servers that computed for these seconds (wall and CPU time alike)."""
+    return [HopReport(compute_s=seconds, compute_cpu_s=seconds) for seconds in compute_s]
 
 
 def chain(mbps: float, mlp_ms: tuple[float, float, float] | None = (10.0, 30.0, 110.0)) -> list[Span]:
@@ -146,12 +151,32 @@ def test_measured_compute_speeds_scale_each_servers_cost_table():
 
     table = computes(choose.chain_inputs(spans, 32, 32))
     before = choose.step_seconds(spans, 32, 1, 32, 1)
-    choose.observe(spans, 32, 1, 32, 1, [table[0], 2 * table[1], table[2]])
+    choose.observe(spans, 32, 1, 32, 1, reports([table[0], 2 * table[1], table[2]]))
     assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx([table[0], 2 * table[1], table[2]])
     assert choose.step_seconds(spans, 32, 1, 32, 1) == pytest.approx(before + table[1])
     assert computes(choose.chain_inputs(spans, 32, 32, measured_speeds=False)) == pytest.approx(table)
-    choose.observe(spans, 32, 1, 32, 1, table)
+    choose.observe(spans, 32, 1, 32, 1, reports(table))
     assert computes(choose.chain_inputs(spans, 32, 32))[1] == pytest.approx((2 - SPEED_WEIGHT) * table[1])
+
+
+def test_a_single_threaded_cpu_server_is_judged_by_its_compute_threads_cpu_time():
+    """Three servers on one machine's CPU wait for its cores: their reports' wall time is 3x their CPU time. The
+    simulation models that waiting itself, so the speed is judged on CPU time against the table (here, as
+    announced); a server whose compute thread really works 2x longer is charged 2x."""
+    from bloombee.planner import evaluate
+
+    choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
+    spans = chain(1e5)
+    for span in spans:
+        span.record.profile["cpu"] = {"host": "h", "threads": 1, "cores": 2}
+
+    def computes(inputs) -> list[float]:
+        return [stage.t_comp_s for stage in evaluate(inputs, [2, 2, 2], 32, 1).active_stages]
+
+    table = computes(choose.chain_inputs(spans, 32, 32))
+    cpu = [table[0], 2 * table[1], table[2]]
+    choose.observe(spans, 32, 1, 32, 1, [HopReport(compute_s=3 * t, compute_cpu_s=t) for t in cpu])
+    assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx(cpu)
 
 
 def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatch):
@@ -171,5 +196,5 @@ def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatc
     announced = choose.chain_inputs(spans, 32, 32)
     assert choose(spans, 32, 1, 32) == best(announced) == 4
     table = [stage.t_comp_s for stage in evaluate(announced, [2, 2, 2], 32, 1).active_stages]
-    choose.observe(spans, 32, 1, 32, 1, [10 * t for t in table])
+    choose.observe(spans, 32, 1, 32, 1, reports([10 * t for t in table]))
     assert choose(spans, 32, 1, 32) == best(choose.chain_inputs(spans, 32, 32)) == 2

@@ -30,7 +30,8 @@ def step_prediction(record: dict, step: dict, context: int, speeds) -> dict[str,
     """Closed-form and simulated seconds of one step's chain as the planner predicts it, at the servers' speeds
     measured in the record's earlier steps (None without profiles); then the step's own reports update `speeds`
     (`ComputeSpeeds`), as the client's own steps update its model."""
-    from bloombee.client.micro_batching import modelled_compute, predicted_times
+    from bloombee.client.micro_batching import measured_compute, modelled_compute, predicted_times
+    from bloombee.protocol import HopReport
 
     if any(span.get("profile") is None for span in record["chain"]):
         return None
@@ -41,7 +42,7 @@ def step_prediction(record: dict, step: dict, context: int, speeds) -> dict[str,
     if len(reports) == len(assignment):
         inputs = _inputs(record, step, context)
         speeds.observe(modelled_compute(inputs, assignment, rows, micro_batches), [node.name for node in inputs.nodes],
-                       [report["compute_s"] for report in reports])
+                       measured_compute(inputs, [HopReport.model_validate(report) for report in reports]))
     return figures
 
 

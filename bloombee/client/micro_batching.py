@@ -20,7 +20,8 @@ import torch
 
 from bloombee.client.routing import Span
 from bloombee.host import cpu_share
-from bloombee.planner import PlanInputs, evaluate
+from bloombee.protocol import HopReport
+from bloombee.planner import NodeSpec, PlanInputs, evaluate
 from bloombee.planner.model_config import model_section_from_config
 from bloombee.planner.schedule import cpu_shares, simulate
 
@@ -55,7 +56,7 @@ class MicroBatchChooser:
         self.link_mbps, self.compression = link_mbps, compression
         self._unprofiled: set[str] = set()
         self._chosen: dict[tuple, tuple[int, list[float]]] = {}  # step key -> (M, the speeds it was chosen at)
-        self._modelled: dict[tuple, dict[str, float]] = {}  # step key and M -> each node's modelled compute
+        self._modelled: dict[tuple, tuple[dict[str, float], PlanInputs]] = {}  # step key and M -> modelled compute
         self.speeds = ComputeSpeeds()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
@@ -94,9 +95,9 @@ class MicroBatchChooser:
         return predicted_step_s(inputs, [span.end - span.start for span in spans], batch_size * num_tokens, micro_batches)
 
     def observe(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int, micro_batches: int,
-                compute_s: Sequence[float]) -> None:
-        """Learn the servers' compute speeds from a step they served: `compute_s`, each one's reported compute time
-        (all its micro-batches)."""
+                reports: Sequence[HopReport]) -> None:
+        """Learn the servers' compute speeds from a step they served: `reports`, each one's hop report (summed over
+        its micro-batches)."""
         key = (step_key(spans, batch_size, num_tokens, context), micro_batches)
         if key not in self._modelled:
             inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens), measured_speeds=False)
@@ -104,9 +105,10 @@ class MicroBatchChooser:
                 return
             if len(self._modelled) >= MAX_REMEMBERED:
                 self._modelled.clear()
-            self._modelled[key] = modelled_compute(inputs, [span.end - span.start for span in spans],
-                                                   batch_size * num_tokens, micro_batches)
-        self.speeds.observe(self._modelled[key], [node_name(span) for span in spans], compute_s)
+            self._modelled[key] = (modelled_compute(inputs, [span.end - span.start for span in spans],
+                                                    batch_size * num_tokens, micro_batches), inputs)
+        modelled, inputs = self._modelled[key]
+        self.speeds.observe(modelled, [node.name for node in inputs.nodes], measured_compute(inputs, reports))
 
     def chain_inputs(self, spans: Sequence[Span], rows: int, context: int,
                      measured_speeds: bool = True) -> PlanInputs | None:
@@ -130,10 +132,11 @@ class MicroBatchChooser:
 
 class ComputeSpeeds:
     """Each server's compute speed against its announced cost table, as its steps measure it: a moving average of
-    its reported compute time over the planner's simulated compute of that server in the same step (the table's
-    times, the CPU shared as the simulation shares it). A machine's speed drifts (load from other sessions or
-    other tenants): on netbench's runs here servers computed up to 1.8x slower than the tables they had measured
-    minutes before."""
+    its reported compute over the planner's of that server in the same step (`measured_compute` and
+    `modelled_compute`: on a single-threaded CPU server its compute thread's CPU time against the table's time,
+    elsewhere wall time against the simulation's). A machine's speed drifts (load from other sessions or other
+    tenants): on netbench's runs here servers computed up to 1.8x slower than the tables they had measured minutes
+    before."""
 
     def __init__(self):
         self._factors: dict[str, float] = {}
@@ -148,8 +151,8 @@ class ComputeSpeeds:
         return [scaled_cost(node, self.factor(node["name"])) for node in nodes]
 
     def observe(self, modelled: dict[str, float], names: Sequence[str], compute_s: Sequence[float]) -> None:
-        """Fold in one step: `compute_s[i]`, the compute time node `names[i]` reported, against `modelled`
-        (`modelled_compute` of the step at the tables' speeds)."""
+        """Fold in one step: `compute_s[i]`, the compute time node `names[i]` reported (`measured_compute`), against
+        `modelled` (`modelled_compute` of the step at the tables' speeds)."""
         for name, measured in zip(names, compute_s):
             if modelled.get(name, 0.0) > 0 and measured > 0:
                 ratio = measured / modelled[name]
@@ -157,9 +160,21 @@ class ComputeSpeeds:
                 self._factors[name] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
 
 
+def timed_by_cpu(node: NodeSpec) -> bool:
+    """Whether a node's compute is judged by its CPU time: a CPU node computing on one thread. Its report's
+    `compute_cpu_s` is then all of the compute's work, without the waits for a core that the simulation models;
+    elsewhere the wall time `compute_s` is judged against the simulation's (a GPU's kernels are not CPU time)."""
+    return node.cpu is not None and node.cpu.threads == 1
+
+
+def measured_compute(inputs: PlanInputs, reports: Sequence[HopReport]) -> list[float]:
+    """Each node's compute in one step as its report measures it, in the terms `modelled_compute` models it."""
+    return [report.compute_cpu_s if timed_by_cpu(node) else report.compute_s for node, report in zip(inputs.nodes, reports)]
+
+
 def modelled_compute(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> dict[str, float]:
-    """Each node's compute time in one step as the planner's simulation has it (all its micro-batches; empty if
-    the step does not fit)."""
+    """Each node's compute time in one step as the planner has it (all its micro-batches; empty if the step does not
+    fit): the table's time where the node is timed by its CPU time, else the time the simulation gives it."""
     evaluation = evaluate(inputs, assignment, rows, micro_batches)
     if not evaluation.feasible:
         return {}
@@ -168,6 +183,9 @@ def modelled_compute(inputs: PlanInputs, assignment: list[int], rows: int, micro
         if interval.kind == "compute":
             name = interval.row.removesuffix(" compute")
             modelled[name] = modelled.get(name, 0.0) + interval.end_s - interval.start_s
+    for node, stage in zip(inputs.nodes, evaluation.stages):
+        if timed_by_cpu(node) and stage.active:
+            modelled[node.name] = stage.t_comp_s * micro_batches
     return modelled
 
 

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
-SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "decode_cpu_s", "compute_s", "encode_s")  # HopReport fields added up over micro-batches
+SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "decode_cpu_s", "compute_s", "compute_cpu_s", "encode_s")  # HopReport fields added up over micro-batches
 
 
 def joined(outputs: dict[int, dict[str, torch.Tensor]], parts: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -472,8 +472,7 @@ class InferenceSession:
         """Each server's report of the last step times its compute: feed that to the planner's model of the chain."""
         reports = self.last_step.reports
         if len(reports) == len(self.streams) and all(stream.span.record.profile for stream in self.streams):
-            self.choose_micro_batches.observe(self.spans, self.batch_size, num_tokens, context, micro_batches,
-                                              [report.compute_s for report in reports])
+            self.choose_micro_batches.observe(self.spans, self.batch_size, num_tokens, context, micro_batches, reports)
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:
         return self.policy_for(stream.span.peer_id, stream.span.record)

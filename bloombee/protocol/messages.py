@@ -76,6 +76,7 @@ class HopReport(BaseModel):
     decode_s: float = 0.0
     decode_cpu_s: float = 0.0  # CPU seconds of the decode alone, in its thread (what decode speeds are learned from)
     compute_s: float = 0.0
+    compute_cpu_s: float = 0.0  # CPU seconds of the compute thread in it (on a GPU: launching kernels, not running them)
     encode_s: float = 0.0
     batch_offset: int = 0  # the micro-batch's first row
     decode_at: float = 0.0  # wall-clock time (time.time()) each part began, for timelines

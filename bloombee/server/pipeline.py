@@ -78,7 +78,8 @@ class SessionPipeline:
         self.computed: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
         self.replies: asyncio.Queue = asyncio.Queue()
         self.applied: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._computed = (0.0, 0.0)  # (time.time() it began, seconds) of the last step's work in the compute thread
+        # (time.time() it began, seconds, CPU seconds) of the last step's work in the compute thread
+        self._computed = (0.0, 0.0, 0.0)
 
     def notify(self, message: Message) -> None:
         """Send a message to the client out of band (a failed push reported by the push channel)."""
@@ -178,7 +179,7 @@ class SessionPipeline:
         key = (header.step_id, header.batch_offset)
         duplicate = key in self.applied
         try:
-            self._computed = (time.time(), 0.0)
+            self._computed = (time.time(), 0.0, 0.0)
             compaction = None if header.compact_start is None else (header.compact_start, compact_ids(tensors))
             if "tree_parents" in tensors:
                 header, sent_on = await self._tree_step(header, tensors, duplicate, compaction)
@@ -187,7 +188,7 @@ class SessionPipeline:
                 if header.route:
                     sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
             self._remember(key)
-            compute_at, compute_s = self._computed
+            compute_at, compute_s, compute_cpu_s = self._computed
         except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), header.step_id)
             return None
@@ -198,7 +199,7 @@ class SessionPipeline:
         if header.route and header.compact_start is not None:
             sent_on.update({name: tensors[name] for name in COMPACT_TENSORS})
         report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, decode_cpu_s=step.decode_cpu_s,
-                           compute_s=compute_s,
+                           compute_s=compute_s, compute_cpu_s=compute_cpu_s,
                            batch_offset=header.batch_offset, decode_at=step.decode_at, compute_at=compute_at,
                            duplicate=duplicate, nodes=sent_on["hidden"].shape[0] if "tree_ids" in sent_on else 0)
         return ComputedStep(header, sent_on, report)
@@ -237,11 +238,11 @@ class SessionPipeline:
         """In the compute thread: the previous tree's compaction, if the step carries one, then `fn(*args)`; so the
         step never reads a cache that is not yet compacted. When and how long it ran is what the hop report says
         the step computed (the hand-over to and from the compute thread is not)."""
-        began_at, began = time.time(), time.perf_counter()
+        began_at, began, began_cpu = time.time(), time.perf_counter(), time.thread_time()
         if compaction is not None:
             self._compact(header, compaction)
         result = fn(*args)
-        self._computed = (began_at, time.perf_counter() - began)
+        self._computed = (began_at, time.perf_counter() - began, time.thread_time() - began_cpu)
         return result
 
     def _compact(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]]) -> None:
