@@ -238,6 +238,11 @@ class BlockServicer:
             return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
         return None
 
+    async def open_push(self, session: Session, hop: Hop, notify: Callable[[Message], None]) -> None:
+        """Open the push stream of a session's first step to its next server while this server decodes and computes
+        the step."""
+        (await self._channel(session, hop, notify)).open()
+
     async def _channel(self, session: Session, hop: Hop, notify: Callable[[Message], None]) -> PushChannel:
         channel: PushChannel | None = session.push_channel
         if channel is not None and (channel.peer_id, channel.session_id) == (hop.peer_id, hop.session_id) and not channel.failed:

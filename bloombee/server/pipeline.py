@@ -141,6 +141,8 @@ class SessionPipeline:
                 raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
             if message.step.session_id != self.session.session_id:
                 raise InvalidStep(f"the step names session {message.step.session_id[:128]!r}, not this stream's session")
+            if message.step.route and self.session.push_channel is None:
+                await self.servicer.open_push(self.session, message.step.route[0], self.notify)
             began, decode_at = time.perf_counter(), time.time()
             _, tensors, cpu_s = await self.servicer.run_codec(unpack_timed, item, self.servicer.max_request_bytes,
                                                               STEP_TENSORS)

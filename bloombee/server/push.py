@@ -43,17 +43,29 @@ class PushChannel:
         self._queued_bytes = 0
         self._changed = asyncio.Condition()
         self._on_failure = on_failure
+        self._opening: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._closing = False
         self.failed = False
 
+    def open(self) -> None:
+        """Begin opening the push stream, unless it is open or opening: a server calls this as a session's first step
+        arrives, so that the stream (a new libp2p stream and its handler at the next server: ~2 ms here) is ready when
+        the step's output is."""
+        if self._opening is None and not self.failed:
+            self._opening = asyncio.create_task(self._open())
+
+    async def _open(self) -> None:
+        responses = await asyncio.wait_for(self._stub.rpc_push(self._stream()), self.timeout)
+        self._reader = asyncio.create_task(self._read_acks(responses))
+        self._watchdog = asyncio.create_task(self._watch_acks())
+
     async def send(self, envelope: runtime_pb2.ExpertRequest, step_id: int, batch_offset: int) -> None:
         """Queue a step for the next server, waiting while the buffer is full."""
-        if self._reader is None and not self.failed:
-            responses = await asyncio.wait_for(self._stub.rpc_push(self._stream()), self.timeout)
-            self._reader = asyncio.create_task(self._read_acks(responses))
-            self._watchdog = asyncio.create_task(self._watch_acks())
+        self.open()
+        if self._opening is not None:
+            await self._opening
         try:
             await asyncio.wait_for(self._enqueue(envelope, (step_id, batch_offset)), self.timeout)
         except asyncio.TimeoutError:
@@ -130,3 +142,8 @@ class PushChannel:
         for task in (self._reader, self._watchdog):
             if task is not None:
                 task.cancel()
+        if self._opening is not None and self._opening.done() and not self._opening.cancelled() \
+                and self._opening.exception() is not None:
+            logger.info("The push stream to %s never opened: %r", self.peer_id, self._opening.exception())
+        elif self._opening is not None:
+            self._opening.cancel()
