@@ -152,11 +152,26 @@ def test_measured_compute_speeds_scale_each_servers_cost_table():
     table = computes(choose.chain_inputs(spans, 32, 32))
     before = choose.step_seconds(spans, 32, 1, 32, 1)
     choose.observe(spans, 32, 1, 32, 1, reports([table[0], 2 * table[1], table[2]]))
-    assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx([table[0], 2 * table[1], table[2]])
+    assert computes(choose.chain_inputs(spans, 32, 32, 32)) == pytest.approx([table[0], 2 * table[1], table[2]])
     assert choose.step_seconds(spans, 32, 1, 32, 1) == pytest.approx(before + table[1])
-    assert computes(choose.chain_inputs(spans, 32, 32, measured_speeds=False)) == pytest.approx(table)
+    assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx(table)  # the tables as announced
     choose.observe(spans, 32, 1, 32, 1, reports(table))
-    assert computes(choose.chain_inputs(spans, 32, 32))[1] == pytest.approx((2 - SPEED_WEIGHT) * table[1])
+    assert computes(choose.chain_inputs(spans, 32, 32, 32))[1] == pytest.approx((2 - SPEED_WEIGHT) * table[1])
+
+
+def test_compute_speeds_are_measured_per_micro_batch_size():
+    """A server 2x slower than its table at whole steps of 32 rows and as fast as it at micro-batches of 4 rows: each
+    size is charged what was measured at the nearest size."""
+    from bloombee.client.micro_batching import ComputeSpeeds
+
+    speeds = ComputeSpeeds()
+    assert speeds.factor("s", 32) == 1.0  # nothing measured yet: the table stands
+    speeds.observe({"s": 1.0}, ["s"], [2.0], 32)
+    assert speeds.factor("s", 4) == speeds.factor("s", 32) == 2.0  # one size measured: it stands for all
+    speeds.observe({"s": 1.0}, ["s"], [1.0], 4)
+    assert (speeds.factor("s", 4), speeds.factor("s", 5), speeds.factor("s", 32), speeds.factor("s", 20)) == \
+        (1.0, 1.0, 2.0, 2.0)
+    assert speeds.factor("other", 4) == 1.0
 
 
 def test_a_single_threaded_cpu_server_is_judged_by_its_compute_threads_cpu_time():
@@ -176,7 +191,7 @@ def test_a_single_threaded_cpu_server_is_judged_by_its_compute_threads_cpu_time(
     table = computes(choose.chain_inputs(spans, 32, 32))
     cpu = [table[0], 2 * table[1], table[2]]
     choose.observe(spans, 32, 1, 32, 1, [HopReport(compute_s=3 * t, compute_cpu_s=t) for t in cpu])
-    assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx(cpu)
+    assert computes(choose.chain_inputs(spans, 32, 32, 32)) == pytest.approx(cpu)
 
 
 def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatch):
@@ -189,12 +204,29 @@ def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatc
     choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
     spans = chain(1e5, (0.5, 0.6, 1.0))
 
-    def best(inputs) -> int:
-        times = {m: predicted_step_s(inputs, [2, 2, 2], 32, m) for m in (1, 2, 4, 8, 16, 32)}
+    def best() -> int:
+        times = {m: choose.step_seconds(spans, 32, 1, 32, m) for m in (1, 2, 4, 8, 16, 32)}
         return min(times, key=times.get)
 
-    announced = choose.chain_inputs(spans, 32, 32)
-    assert choose(spans, 32, 1, 32) == best(announced) == 4
-    table = [stage.t_comp_s for stage in evaluate(announced, [2, 2, 2], 32, 1).active_stages]
+    assert choose(spans, 32, 1, 32) == best() == 4
+    table = [stage.t_comp_s for stage in evaluate(choose.chain_inputs(spans, 32, 32), [2, 2, 2], 32, 1).active_stages]
     choose.observe(spans, 32, 1, 32, 1, reports([10 * t for t in table]))
-    assert choose(spans, 32, 1, 32) == best(choose.chain_inputs(spans, 32, 32)) == 2
+    assert choose(spans, 32, 1, 32) == best() == 2
+
+
+def test_a_message_crosses_the_p2p_stack_and_then_its_link():
+    """A hop's time is the stack's (STACK_MBPS) plus the link's: no link makes a hop faster than the stack, and a
+    slow link pays the stack's copies on top of its own transmission."""
+    from bloombee.client.micro_batching import STACK_MBPS, chain_inputs
+    from bloombee.planner import evaluate
+
+    model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
+    nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}"} for i in range(3)]
+
+    def first_hop_s(link_mbps: float) -> float:
+        inputs = chain_inputs(model, nodes, [link_mbps] * 4, [2, 2, 2], 32, 32, "float32", "off")
+        return evaluate(inputs, [2, 2, 2], 32, 1).client_hop.time_s
+
+    megabits = 40.0 * (first_hop_s(20.0) - first_hop_s(40.0))  # the stack's share and the latency cancel out
+    assert first_hop_s(20.0) - first_hop_s(1e9) == pytest.approx(megabits / 20.0, rel=0.01)
+    assert first_hop_s(1e9) > megabits / STACK_MBPS

@@ -31,23 +31,26 @@ def step_prediction(record: dict, step: dict, context: int, speeds) -> dict[str,
     measured in the record's earlier steps (None without profiles); then the step's own reports update `speeds`
     (`ComputeSpeeds`), as the client's own steps update its model."""
     from bloombee.client.micro_batching import measured_compute, modelled_compute, predicted_times
+    from bloombee.planner.costs import micro_batch_size
     from bloombee.protocol import HopReport
 
     if any(span.get("profile") is None for span in record["chain"]):
         return None
     assignment = [span["end"] - span["start"] for span in record["chain"]]
     rows, micro_batches = step["batch"] * step["tokens"], step.get("micro_batches", 1)
-    figures = predicted_times(_inputs(record, step, context, speeds), assignment, rows, micro_batches)
+    size = micro_batch_size(rows, micro_batches)
+    figures = predicted_times(_inputs(record, step, context, speeds, size), assignment, rows, micro_batches)
     reports = step.get("reports") or []
     if len(reports) == len(assignment):
         inputs = _inputs(record, step, context)
         speeds.observe(modelled_compute(inputs, assignment, rows, micro_batches), [node.name for node in inputs.nodes],
-                       measured_compute(inputs, [HopReport.model_validate(report) for report in reports]))
+                       measured_compute(inputs, [HopReport.model_validate(report) for report in reports]), size)
     return figures
 
 
-def _inputs(record: dict, step: dict, context: int, speeds=None):
-    """The planner's inputs of the record's chain for `step`; with `speeds`, its cost tables scaled by them."""
+def _inputs(record: dict, step: dict, context: int, speeds=None, micro_batch_rows: int = 0):
+    """The planner's inputs of the record's chain for `step`; with `speeds`, its cost tables scaled by them at
+    micro-batches of `micro_batch_rows` rows."""
     from bloombee.client.micro_batching import chain_inputs
 
     chain = record["chain"]
@@ -56,7 +59,7 @@ def _inputs(record: dict, step: dict, context: int, speeds=None):
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
     tokens = step["tokens"]
     if speeds is not None:
-        nodes = speeds.scaled(nodes)
+        nodes = speeds.scaled(nodes, micro_batch_rows)
     return chain_inputs(_model_section(record["model_path"]), nodes, hops,
                         [span["end"] - span["start"] for span in chain], step["batch"] * tokens,
                         -(-context // tokens), chain[0]["dtype"], record["client_settings"].get("compression", "auto"),

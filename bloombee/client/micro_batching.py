@@ -22,6 +22,7 @@ from bloombee.client.routing import Span
 from bloombee.host import cpu_share
 from bloombee.protocol import HopReport
 from bloombee.planner import NodeSpec, PlanInputs, evaluate
+from bloombee.planner.costs import micro_batch_size
 from bloombee.planner.model_config import model_section_from_config
 from bloombee.planner.schedule import cpu_shares, simulate
 
@@ -39,7 +40,9 @@ MESSAGE_CPU_MS = 0.8
 # on two cores each ran 1.13-1.31x and 1.54-1.80x slower than alone (an even share of two cores: 1.0x and 1.5x)
 HOST_BUSY_CORES = 0.4
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
-# activations at 0.69 Gbit/s): no hop is faster, whatever its link
+# activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, every
+# prompt step of netbench's pipeline sweep came within 20 % of its measured time (taking the faster of the two: 2 of
+# 44 cells over)
 STACK_MBPS = 700.0
 # weight of a step in each server's measured compute speed (its reported compute time against the model's)
 SPEED_WEIGHT = 0.3
@@ -63,7 +66,8 @@ class MicroBatchChooser:
         """M for one step; steps scored alike (`step_key`) reuse it while no server's measured speed moved by more
         than SPEED_TOLERANCE since."""
         key = step_key(spans, batch_size, num_tokens, context)
-        factors = [self.speeds.factor(node_name(span)) for span in spans]
+        sizes = {micro_batch_size(batch_size * num_tokens, m) for m in CANDIDATES if m <= batch_size}
+        factors = [self.speeds.factor(node_name(span), size) for span in spans for size in sorted(sizes)]
         chosen = self._chosen.get(key)
         if chosen is None or any(max(now / then, then / now) > SPEED_TOLERANCE for now, then in zip(factors, chosen[1])):
             if len(self._chosen) >= MAX_REMEMBERED:
@@ -72,13 +76,11 @@ class MicroBatchChooser:
         return chosen[0]
 
     def _choose(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
-        if inputs is None:
-            return 1
-        assignment = [span.end - span.start for span in spans]
         best, best_s, previous_s = 1, float("inf"), float("inf")
         for micro_batches in (m for m in CANDIDATES if m <= batch_size):
-            seconds = predicted_step_s(inputs, assignment, batch_size * num_tokens, micro_batches)
+            seconds = self.step_seconds(spans, batch_size, num_tokens, context, micro_batches)
+            if seconds is None:
+                return 1
             if seconds < best_s:
                 best, best_s = micro_batches, seconds
             if seconds > previous_s:  # past the minimum: step times fall to one as M grows, then rise
@@ -89,7 +91,8 @@ class MicroBatchChooser:
     def step_seconds(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int,
                      micro_batches: int) -> float | None:
         """The planner's simulated time of one step in `micro_batches` micro-batches; None without profiles."""
-        inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
+        rows = batch_size * num_tokens
+        inputs = self.chain_inputs(spans, rows, -(-context // num_tokens), micro_batch_size(rows, micro_batches))
         if inputs is None:
             return None
         return predicted_step_s(inputs, [span.end - span.start for span in spans], batch_size * num_tokens, micro_batches)
@@ -100,7 +103,7 @@ class MicroBatchChooser:
         its micro-batches)."""
         key = (step_key(spans, batch_size, num_tokens, context), micro_batches)
         if key not in self._modelled:
-            inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens), measured_speeds=False)
+            inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
             if inputs is None:
                 return
             if len(self._modelled) >= MAX_REMEMBERED:
@@ -108,12 +111,13 @@ class MicroBatchChooser:
             self._modelled[key] = (modelled_compute(inputs, [span.end - span.start for span in spans],
                                                     batch_size * num_tokens, micro_batches), inputs)
         modelled, inputs = self._modelled[key]
-        self.speeds.observe(modelled, [node.name for node in inputs.nodes], measured_compute(inputs, reports))
+        self.speeds.observe(modelled, [node.name for node in inputs.nodes], measured_compute(inputs, reports),
+                            micro_batch_size(batch_size * num_tokens, micro_batches))
 
     def chain_inputs(self, spans: Sequence[Span], rows: int, context: int,
-                     measured_speeds: bool = True) -> PlanInputs | None:
-        """The planner's inputs for this chain (each server's cost table scaled by its measured speed, unless
-        `measured_speeds` is False), or None when a server announces no profile."""
+                     micro_batch_rows: int | None = None) -> PlanInputs | None:
+        """The planner's inputs for this chain (with `micro_batch_rows`, each server's cost table scaled by its
+        measured speed at micro-batches of that many rows), or None when a server announces no profile."""
         missing = [span.peer_id for span in spans if span.record.profile is None]
         if missing:
             new = set(missing) - self._unprofiled
@@ -123,41 +127,55 @@ class MicroBatchChooser:
                                "are not split", ", ".join(sorted(new)))
             return None
         nodes = [{**span.record.profile, "name": node_name(span), "offload": span.record.offload} for span in spans]
-        if measured_speeds:
-            nodes = self.speeds.scaled(nodes)
+        if micro_batch_rows is not None:
+            nodes = self.speeds.scaled(nodes, micro_batch_rows)
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
                             spans[0].record.dtype, self.compression, client_cpu=client_cpu_share())
 
 
 class ComputeSpeeds:
-    """Each server's compute speed against its announced cost table, as its steps measure it: a moving average of
-    its reported compute over the planner's of that server in the same step (`measured_compute` and
-    `modelled_compute`: on a single-threaded CPU server its compute thread's CPU time against the table's time,
-    elsewhere wall time against the simulation's). A machine's speed drifts (load from other sessions or other
-    tenants): on netbench's runs here servers computed up to 1.8x slower than the tables they had measured minutes
-    before."""
+    """Each server's compute speed against its announced cost table, as its steps measure it, for micro-batches of
+    each size (rows, in power-of-two ranges): a moving average of its reported compute over the planner's of that
+    server in the same step (`measured_compute` and `modelled_compute`: on a single-threaded CPU server its compute
+    thread's CPU time against the table's time, elsewhere wall time against the simulation's). A machine's speed
+    drifts (load from other sessions or other tenants: on netbench's runs here servers computed up to 1.8x slower
+    than the tables they had measured minutes before), and not alike at every size: a product of few rows reads
+    the weights from memory, which other processes share, while one of many rows is bound by the core (here the
+    pipeline model's 32-row decode steps ran 1.27x slower than its table and its 128-row prompt chunks at 1.0x)."""
 
     def __init__(self):
-        self._factors: dict[str, float] = {}
+        self._factors: dict[tuple[str, int], float] = {}  # (node, size range) -> measured over modelled
 
-    def factor(self, name: str) -> float:
-        """Measured over modelled compute time of node `name` (1.0 before any step)."""
-        return self._factors.get(name, 1.0)
+    def factor(self, name: str, rows: int) -> float:
+        """Measured over modelled compute time of node `name` at micro-batches of `rows` rows: from the nearest size
+        range it has computed (1.0 before any step)."""
+        ranges = [size for node, size in self._factors if node == name]
+        if not ranges:
+            return 1.0
+        wanted = size_range(rows)
+        return self._factors[(name, min(ranges, key=lambda size: (abs(size - wanted), size)))]
 
-    def scaled(self, nodes: list[dict]) -> list[dict]:
+    def scaled(self, nodes: list[dict], rows: int) -> list[dict]:
         """The planner node dicts with each cost table, and on a CPU the cost of a message, scaled by its node's
-        factor (a busier or slower machine computes and handles messages slower alike)."""
-        return [scaled_cost(node, self.factor(node["name"])) for node in nodes]
+        factor at micro-batches of `rows` rows (a busier or slower machine computes and handles messages slower
+        alike)."""
+        return [scaled_cost(node, self.factor(node["name"], rows)) for node in nodes]
 
-    def observe(self, modelled: dict[str, float], names: Sequence[str], compute_s: Sequence[float]) -> None:
-        """Fold in one step: `compute_s[i]`, the compute time node `names[i]` reported (`measured_compute`), against
-        `modelled` (`modelled_compute` of the step at the tables' speeds)."""
+    def observe(self, modelled: dict[str, float], names: Sequence[str], compute_s: Sequence[float], rows: int) -> None:
+        """Fold in one step of micro-batches of `rows` rows: `compute_s[i]`, the compute time node `names[i]`
+        reported (`measured_compute`), against `modelled` (`modelled_compute` of the step at the tables' speeds)."""
         for name, measured in zip(names, compute_s):
             if modelled.get(name, 0.0) > 0 and measured > 0:
                 ratio = measured / modelled[name]
-                old = self._factors.get(name)
-                self._factors[name] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+                key = (name, size_range(rows))
+                old = self._factors.get(key)
+                self._factors[key] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+
+
+def size_range(rows: int) -> int:
+    """The power-of-two range of a micro-batch of `rows` rows: 1, 2-3, 4-7, ... are 1, 2, 3, ..."""
+    return max(rows, 1).bit_length()
 
 
 def timed_by_cpu(node: NodeSpec) -> bool:
@@ -228,7 +246,7 @@ def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], bl
     """
     names = [node["name"] for node in nodes]
     overrides = [] if hop_mbps is None else [
-        {"src": src, "dst": dst, "bandwidth_mbps": min(mbps, STACK_MBPS)}
+        {"src": src, "dst": dst, "bandwidth_mbps": through_stack(mbps)}
         for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
     client = {"link": link(links_mbps[0])}
     if nodes[0].get("compression") is not None:  # the client runs the same codec; the first server's figures stand in
@@ -251,8 +269,14 @@ def with_host_costs(cpu: dict) -> dict:
     return {"message_ms": MESSAGE_CPU_MS, **cpu, "busy_cores": HOST_BUSY_CORES}
 
 
+def through_stack(mbps: float) -> float:
+    """The rate at which a message crosses a link of `mbps`: the p2p stack's copies and the link's transmission do not
+    overlap (a message's time is the sum of both), so a stack of STACK_MBPS slows even a slow link a little."""
+    return 1.0 / (1.0 / mbps + 1.0 / STACK_MBPS)
+
+
 def link(mbps: float) -> dict:
-    mbps = min(mbps, STACK_MBPS)
+    mbps = through_stack(mbps)
     return {"uplink_mbps": mbps, "downlink_mbps": mbps, "latency_ms": MESSAGE_OVERHEAD_MS / 2}
 
 
