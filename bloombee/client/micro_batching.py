@@ -40,9 +40,9 @@ MESSAGE_CPU_MS = 0.8
 # on two cores each ran 1.13-1.31x and 1.54-1.80x slower than alone (an even share of two cores: 1.0x and 1.5x)
 HOST_BUSY_CORES = 0.4
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
-# activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, every
-# prompt step of netbench's pipeline sweep came within 20 % of its measured time (taking the faster of the two: 2 of
-# 44 cells over)
+# activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, the
+# prompt steps of netbench's pipeline sweep came within 20 % of their measured time in 43 of 44 cells (the slower of
+# the two alone had left 2 of 44 outside in the sweep before)
 STACK_MBPS = 700.0
 # weight of a step in each server's measured compute speed (its reported compute time against the model's)
 SPEED_WEIGHT = 0.3
@@ -95,7 +95,7 @@ class MicroBatchChooser:
         inputs = self.chain_inputs(spans, rows, -(-context // num_tokens), micro_batch_size(rows, micro_batches))
         if inputs is None:
             return None
-        return predicted_step_s(inputs, [span.end - span.start for span in spans], batch_size * num_tokens, micro_batches)
+        return predicted_step_s(inputs, [span.end - span.start for span in spans], rows, micro_batches)
 
     def observe(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int, micro_batches: int,
                 reports: Sequence[HopReport]) -> None:

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 Envelope = runtime_pb2.ExpertRequest
 # seconds a stream whose opening failed stays open for the client to end its side after reading the error: a stream
 # the server closed while the client's side was open sometimes reached the client as an end of stream without the
-# error before it (1 in ~15 runs of tests/test_rpc_fuzz.py, 1025 bad opens each)
+# error before it (about 1 in 9 runs of tests/test_rpc_fuzz.py, 1025 bad opens each)
 REFUSED_STREAM_LINGER_S = 5.0
 
 
