@@ -34,8 +34,19 @@ def parse_blocks(text: str) -> tuple[int, int]:
     return start, end
 
 
+_startup_signals: list[int] = []  # stop signals received while starting
+
+
 def stop_starting(signum: int, frame) -> None:
+    _startup_signals.append(signum)
     raise KeyboardInterrupt(f"signal {signum} while starting")
+
+
+def stop_if_signalled() -> None:
+    """Stop if a signal came while starting: its KeyboardInterrupt is lost when it lands in a finalizer (`__del__`
+    run by the garbage collector), and the server would then go on to serve."""
+    if _startup_signals:
+        raise KeyboardInterrupt(f"signal {_startup_signals[0]} while starting")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +139,7 @@ def serve(args: argparse.Namespace, settings: ServerSettings, dht, server_class:
                     public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
                     profile=not args.no_profile, profile_path=args.profile, planned=planned,
                     planned_offload=alpha)
+    stop_if_signalled()
     asyncio.run(server.run())
 
 
