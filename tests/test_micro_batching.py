@@ -137,6 +137,31 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
     assert slowed == pytest.approx(MESSAGE_CPU_MS * 1e-3, rel=0.05)  # they took turns on one interpreter
 
 
+def test_a_transfer_into_a_server_slows_while_that_servers_uplink_sends():
+    """Prompt micro-batches over 20 Mbit/s links: the client's second one reaches s0 while s0 pushes the first on, so it
+    moves at `ack_slowdown` of its rate for that while and at full rate otherwise; a step is slower than without."""
+    from bloombee.client.micro_batching import chain_inputs
+    from bloombee.planner import evaluate, schedule
+    from bloombee.planner.schedule import ack_slowdown, simulate
+
+    nodes = [{**profile((0.01, 0.02, 0.05)), "name": f"s{i}"} for i in range(2)]
+    model = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off").model
+    evaluation = evaluate(chain_inputs(model, nodes, [20.0] * 3, [3, 3], 512, 1, "float32", "off"), [3, 3], 512, 2)
+    hops = {f"{hop.src} -> {hop.dst}": hop for hop in [evaluation.client_hop] + [s.hop for s in evaluation.active_stages]}
+    intervals, makespan = simulate(evaluation)
+    second = next(i for i in intervals if i.row == "client -> s0" and i.micro_batch == 1)
+    pushes = [i for i in intervals if i.row == "s0 -> s1"]
+    overlap = sum(max(0.0, min(second.end_s, p.end_s) - max(second.start_s, p.start_s)) for p in pushes)
+    assert overlap > 0.1 * hops["client -> s0"].time_s
+    slowdown = ack_slowdown(hops["client -> s0"], hops["s0 -> s1"])
+    assert 0.0 < slowdown < 1.0
+    moved = (second.end_s - second.start_s - overlap) + overlap * slowdown  # nominal seconds of transfer done
+    assert moved == pytest.approx(hops["client -> s0"].time_s, rel=1e-6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(schedule, "ACK_WINDOW_BYTES", 1e15)  # acknowledgements never wait: no slowdown
+        assert simulate(evaluation)[1] < makespan
+
+
 def test_measured_compute_speeds_scale_each_servers_cost_table():
     """A server whose reports show it computing 2x slower than its table: the model charges it 2x from then on,
     and the others as before; later steps move the factor by SPEED_WEIGHT each."""

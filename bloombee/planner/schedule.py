@@ -14,8 +14,9 @@ compute on the CPU of one machine share its cores while their micro-batches over
 sharing), which the simulation models when given the nodes' CPU shares and eq. 4 does not. There,
 each message also costs CPU at both ends of its hop (``CpuShare.message_ms``: kinds "send" and
 "receive"), taken in turns with the same process's compute (one interpreter) and shared with the
-host's other processes. netbench shows the simulation is the one that matches measurement, so the
-client's `micro_batches="auto"` decides with it.
+host's other processes. A transfer into a node slows while that node's own uplink sends: the
+transfer's acknowledgements queue behind the outgoing message (``ack_slowdown``). netbench shows the
+simulation is the one that matches measurement, so the client's `micro_batches="auto"` decides with it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .evaluate import Evaluation
+from .evaluate import Evaluation, HopResult
 from .inputs import CLIENT, CpuShare, PlanInputs
+
+# bytes a hop's TCP keeps in flight while its link is the bottleneck: the acknowledgements that release them cross the
+# receiver's uplink, so a message that node sends delays them (`ack_slowdown`); fitted on netbench's pipeline sweep at
+# 20 Mbit/s, where 1-2 MB prompt micro-batches arriving at a server while it pushed its own output on took 1.3-1.6x
+# their time on an idle link (modelled so, its prompt steps came within 0.95-1.10 of their measured time, 0.79-0.92
+# before)
+ACK_WINDOW_BYTES = 0.6e6
 
 
 @dataclass
@@ -47,6 +55,7 @@ def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None)
         raise ValueError(f"cannot schedule an infeasible plan: {evaluation.reason}")
     cpus = cpus or {}
     tasks = _tasks(evaluation, cpus)
+    hops = {_transfer_row(hop): hop for hop in [evaluation.client_hop] + [stage.hop for stage in evaluation.active_stages]}
     done = [[None] * len(path) for path in tasks]  # end time of task k of micro-batch mb
     started = [[False] * len(path) for path in tasks]
     next_on: dict[str, int] = {}  # resource -> micro-batch whose turn it is
@@ -57,7 +66,7 @@ def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None)
         _start_ready(tasks, done, started, next_on, active, now)
         if not active:
             break
-        rates = _rates(tasks, active, cpus)
+        rates = _rates(tasks, active, cpus, hops)
         step = min(remaining / rates[key] for key, (remaining, _) in active.items())
         now += step
         for key in list(active):
@@ -89,8 +98,12 @@ def _tasks(evaluation: Evaluation, cpus: Mapping[str, CpuShare]) -> list[list[tu
     for index, (src, hop) in enumerate(hops):
         if index:
             path.append((f"{src} compute", "compute", evaluation.active_stages[index - 1].t_comp_s))
-        path += [*_message(src, "send", cpus), (f"{src} -> {hop.dst}", "transfer", hop.time_s), *_message(hop.dst, "receive", cpus)]
+        path += [*_message(src, "send", cpus), (_transfer_row(hop), "transfer", hop.time_s), *_message(hop.dst, "receive", cpus)]
     return [list(path) for _ in range(evaluation.micro_batches)]
+
+
+def _transfer_row(hop: HopResult) -> str:
+    return f"{hop.src} -> {hop.dst}"
 
 
 def _message(node: str, kind: str, cpus: Mapping[str, CpuShare]) -> list[tuple[str, str, float]]:
@@ -108,10 +121,12 @@ def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
             active[(mb, k)] = [seconds, now]
 
 
-def _rates(tasks, active, cpus: Mapping[str, CpuShare]) -> dict[tuple[int, int], float]:
+def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopResult]) -> dict[tuple[int, int], float]:
     """Progress per second of each running task. CPU work (compute, message handling) of one process shares its
     threads (one interpreter: message handling and compute take turns), and the processes of one host share the
-    cores its other processes leave free (`CpuShare.busy_cores`, at least one); any other task runs at full speed."""
+    cores its other processes leave free (`CpuShare.busy_cores`, at least one); a transfer runs at full speed
+    unless its receiver's uplink is sending (`ack_slowdown`)."""
+    sending = {hops[tasks[mb][k][0]].src: hops[tasks[mb][k][0]] for mb, k in active if tasks[mb][k][1] == "transfer"}
     users = {key: _cpu_user(tasks[key[0]][key[1]], cpus) for key in active}
     per_process: dict[str, int] = {}
     for node in users.values():
@@ -123,11 +138,21 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare]) -> dict[tuple[int, int],
     rates = {}
     for key, node in users.items():
         if node is None:
-            rates[key] = 1.0
+            row, kind, _ = tasks[key[0]][key[1]]
+            reverse = sending.get(hops[row].dst) if kind == "transfer" else None
+            rates[key] = 1.0 if reverse is None else ack_slowdown(hops[row], reverse)
             continue
         share = cpus[node]
         rates[key] = min(1.0, max(1.0, share.cores - share.busy_cores) / per_host[share.host]) / per_process[node]
     return rates
+
+
+def ack_slowdown(hop: HopResult, reverse: HopResult) -> float:
+    """The rate (fraction of its own) of a transfer on `hop` while its receiver sends a message on `reverse`: the
+    transfer's acknowledgements wait behind that message, on average half its time, and a window of ACK_WINDOW_BYTES
+    then lasts that much longer than its round trip alone (the hop's latency both ways and the window at its rate)."""
+    round_trip_s = 2 * hop.latency_s + ACK_WINDOW_BYTES * 8 / (hop.bandwidth_mbps * 1e6)
+    return round_trip_s / (round_trip_s + reverse.time_s / 2)
 
 
 def _cpu_user(task: tuple[str, str, float], cpus: Mapping[str, CpuShare]) -> str | None:
