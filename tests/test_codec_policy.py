@@ -84,10 +84,11 @@ def test_observed_speeds_move_the_decision():
 def test_encode_speed_is_cpu_time_not_the_wait_for_the_interpreter_lock():
     """A thread spinning in Python holds the lock in 5 ms slices: each encode waits for it far longer than it works.
     The policy learns the encode's CPU time (wall time here: 1-2 MB/s for 16 KiB frames, 20-100x too slow)."""
-    spinning = threading.Event()
+    spinning, running = threading.Event(), threading.Event()
     spinning.set()
 
     def spin():
+        running.set()
         while spinning.is_set():
             pass
 
@@ -95,6 +96,7 @@ def test_encode_speed_is_cpu_time_not_the_wait_for_the_interpreter_lock():
     x = (torch.randn(32, 1, 256) * 3).to(torch.bfloat16)  # a bloombee-tiny decode step's 16 KiB
     spinner = threading.Thread(target=spin)
     spinner.start()
+    running.wait()  # else five quick encodes can finish before the spinner first runs
     try:
         began = time.perf_counter()
         for _ in range(5):
