@@ -142,12 +142,12 @@ def test_a_transfer_into_a_server_slows_while_that_servers_uplink_sends():
     moves at `ack_slowdown` of its rate for that while and at full rate otherwise; a step is slower than without."""
     from bloombee.client.micro_batching import chain_inputs
     from bloombee.planner import evaluate, schedule
-    from bloombee.planner.schedule import ack_slowdown, simulate
+    from bloombee.planner.schedule import ack_slowdown, chain_hops, simulate
 
     nodes = [{**profile((0.01, 0.02, 0.05)), "name": f"s{i}"} for i in range(2)]
     model = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off").model
     evaluation = evaluate(chain_inputs(model, nodes, [20.0] * 3, [3, 3], 512, 1, "float32", "off"), [3, 3], 512, 2)
-    hops = {f"{hop.src} -> {hop.dst}": hop for hop in [evaluation.client_hop] + [s.hop for s in evaluation.active_stages]}
+    hops = {f"{hop.src} -> {hop.dst}": hop for hop in chain_hops(evaluation)}
     intervals, makespan = simulate(evaluation)
     second = next(i for i in intervals if i.row == "client -> s0" and i.micro_batch == 1)
     pushes = [i for i in intervals if i.row == "s0 -> s1"]

@@ -42,7 +42,7 @@ HOST_BUSY_CORES = 0.4
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
 # activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, the
 # prompt steps of netbench's pipeline sweep came within 20 % of their measured time in 43 of 44 cells (the slower of
-# the two alone had left 2 of 44 outside in the sweep before)
+# the two alone had left 2 of 44 outside in the sweep before), and all 44 with `schedule`'s acknowledgement term
 STACK_MBPS = 700.0
 # weight of a step in each server's measured compute speed (its reported compute time against the model's)
 SPEED_WEIGHT = 0.3

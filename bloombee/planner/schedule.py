@@ -55,7 +55,7 @@ def simulate(evaluation: Evaluation, cpus: Mapping[str, CpuShare] | None = None)
         raise ValueError(f"cannot schedule an infeasible plan: {evaluation.reason}")
     cpus = cpus or {}
     tasks = _tasks(evaluation, cpus)
-    hops = {_transfer_row(hop): hop for hop in [evaluation.client_hop] + [stage.hop for stage in evaluation.active_stages]}
+    hops = {_transfer_row(hop): hop for hop in chain_hops(evaluation)}
     done = [[None] * len(path) for path in tasks]  # end time of task k of micro-batch mb
     started = [[False] * len(path) for path in tasks]
     next_on: dict[str, int] = {}  # resource -> micro-batch whose turn it is
@@ -93,13 +93,18 @@ def _tasks(evaluation: Evaluation, cpus: Mapping[str, CpuShare]) -> list[list[tu
     """Per micro-batch, its (resource, kind, seconds) in order: client send, then compute and send per stage.
     Each end of a hop that has a CPU share charging messages handles the message on that CPU (kinds "send" and
     "receive")."""
-    hops = [(CLIENT, evaluation.client_hop)] + [(stage.node, stage.hop) for stage in evaluation.active_stages]
     path = []
-    for index, (src, hop) in enumerate(hops):
+    for index, hop in enumerate(chain_hops(evaluation)):
         if index:
-            path.append((f"{src} compute", "compute", evaluation.active_stages[index - 1].t_comp_s))
-        path += [*_message(src, "send", cpus), (_transfer_row(hop), "transfer", hop.time_s), *_message(hop.dst, "receive", cpus)]
+            path.append((f"{hop.src} compute", "compute", evaluation.active_stages[index - 1].t_comp_s))
+        path += [*_message(hop.src, "send", cpus), (_transfer_row(hop), "transfer", hop.time_s),
+                 *_message(hop.dst, "receive", cpus)]
     return [list(path) for _ in range(evaluation.micro_batches)]
+
+
+def chain_hops(evaluation: Evaluation) -> list[HopResult]:
+    """The step's hops in order: client -> first active stage, then each active stage's outgoing hop."""
+    return [evaluation.client_hop] + [stage.hop for stage in evaluation.active_stages]
 
 
 def _transfer_row(hop: HopResult) -> str:
