@@ -40,7 +40,28 @@ def test_choose_follows_the_rule_both_ways():
     assert p.choose(1 << 20, link_bandwidth=1000 * MB) == "raw"
     last = p.report()["last"]
     assert not last["compress"] and last["reason"].startswith("raw: link 1 GB/s >= break-even")
-    assert last["break_even_bandwidth"] == pytest.approx(83.333 * MB, rel=1e-3)
+    assert last["break_even_bandwidth"] == pytest.approx(break_even_bandwidth(1.5, 500 * MB, 500 * MB, 1 << 20))
+    assert last["break_even_bandwidth"] < 83.333 * MB
+
+
+def test_the_calls_own_time_keeps_small_messages_raw_where_large_ones_compress():
+    # at 1.5x and 500 MB/s both ways a byte costs 4 ns to code and saves a third of its wire time; the calls' own
+    # ~60 us are worth 15 KB of coding, so a 16 KiB message breaks even at about half a large one's bandwidth
+    calls = codec.ENCODE_CALL_S + codec.DECODE_CALL_S
+    small = break_even_bandwidth(1.5, 500 * MB, 500 * MB, 16384)
+    assert small == pytest.approx((1 / 3) / (4e-9 + calls / 16384))
+    assert small < break_even_bandwidth(1.5, 500 * MB, 500 * MB, 1 << 20) < break_even_bandwidth(1.5, 500 * MB, 500 * MB)
+    p = policy(link_bandwidth=60 * MB)
+    assert p.choose(16384) == "raw" and p.choose(1 << 20) == "auto"
+    assert worth_compressing(1.5, 60 * MB, 500 * MB, 500 * MB, 1 << 20)
+    assert not worth_compressing(1.5, 60 * MB, 500 * MB, 500 * MB, 16384)
+
+
+def test_observed_times_are_taken_as_the_call_plus_its_bytes():
+    p = policy()
+    p.observe_encode(1_000_000, 500_000, codec.ENCODE_CALL_S + 0.001)  # 1 ms for the bytes: 1 GB/s
+    p.observe_decode(1_000_000, codec.DECODE_CALL_S + 0.0005)  # 2 GB/s
+    assert p.compress_speed == pytest.approx(1e9) and p.decompress_speed == pytest.approx(2e9)
 
 
 def test_tiny_messages_and_modes():
@@ -73,11 +94,11 @@ def test_observed_ratio_moves_the_decision():
 def test_observed_speeds_move_the_decision():
     p = policy(link_bandwidth=30 * MB, alpha=1.0)
     assert p.choose(1 << 20) == "auto"  # 30 MB/s < 83.3 MB/s
-    p.observe_encode(1_000_000, 666_667, 0.01)  # 100 MB/s encode: break-even drops to 27.8 MB/s
+    p.observe_encode(1_000_000, 666_667, 0.01 + codec.ENCODE_CALL_S)  # 100 MB/s encode: break-even drops to 27.8 MB/s
     assert p.compress_speed == pytest.approx(100 * MB)
     assert p.choose(1 << 20) == "raw"
-    p.observe_decode(1_000_000, 0.0001)  # 10 GB/s decode
-    p.observe_encode(1_000_000, 666_667, 0.001)  # 1 GB/s encode: break-even 303 MB/s
+    p.observe_decode(1_000_000, 0.0001 + codec.DECODE_CALL_S)  # 10 GB/s decode
+    p.observe_encode(1_000_000, 666_667, 0.001 + codec.ENCODE_CALL_S)  # 1 GB/s encode: break-even 303 MB/s
     assert p.choose(1 << 20) == "auto"
 
 

@@ -115,8 +115,9 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
     from bloombee.planner import evaluate
     from bloombee.planner.schedule import cpu_shares, simulate
 
-    nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}", "cpu": {"host": f"h{i}", "threads": 1, "cores": 2}}
-             for i in range(3)]
+    # the stack's share of each transfer (`stack_mbps`, tested below) is left out here
+    nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}",
+              "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "stack_mbps": 0}} for i in range(3)]
     model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
 
     def schedule(micro_batches: int, client_cpu: dict | None, with_cpu: bool = True):
@@ -124,7 +125,7 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
         inputs = chain_inputs(model, chain_nodes, [1e5] * 4, [2, 2, 2], 32, 32, "float32", "off", client_cpu=client_cpu)
         return simulate(evaluate(inputs, [2, 2, 2], 32, micro_batches), cpu_shares(inputs))
 
-    client = {"host": "c", "threads": 1, "cores": 2}
+    client = {"host": "c", "threads": 1, "cores": 2, "stack_mbps": 0}
     _, without = schedule(1, None, with_cpu=False)
     _, charged = schedule(1, client)
     assert charged - without == pytest.approx(4 * 2 * MESSAGE_CPU_MS * 1e-3)  # 4 hops, a sender and a receiver each
@@ -135,6 +136,32 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
     nominal = next(i for i in schedule(2, None, with_cpu=False)[0] if i.row == "s0 compute" and i.micro_batch == 0)
     slowed = (first.end_s - first.start_s) - (nominal.end_s - nominal.start_s)
     assert slowed == pytest.approx(MESSAGE_CPU_MS * 1e-3, rel=0.05)  # they took turns on one interpreter
+
+
+def test_a_servers_compute_takes_turns_with_the_messages_streaming_through_it():
+    """On unshaped links a transfer is all p2p stack: while micro-batch 2 streams into s0, s0's compute of micro-batch
+    1 gets half its interpreter; where the stack is a tenth of the transfer (a slower link), 1/1.1 of it."""
+    from bloombee.client.micro_batching import STACK_MBPS, chain_inputs, through_stack
+    from bloombee.planner import evaluate
+    from bloombee.planner.schedule import cpu_shares, simulate, streaming
+
+    model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
+    for link_mbps, expected in ((1e6, 0.5), (STACK_MBPS / 9, 1 / 1.1)):
+        nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}",
+                  "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "message_ms": 0}} for i in range(2)]
+        inputs = chain_inputs(model, nodes, [link_mbps] * 3, [3, 3], 32, 32, "float32", "off")
+        evaluation = evaluate(inputs, [3, 3], 32, 2)
+        into_s0 = evaluation.client_hop
+        assert into_s0.bandwidth_mbps == pytest.approx(through_stack(link_mbps))
+        assert streaming([into_s0], cpu_shares(inputs)) == {"s0": pytest.approx(min(1.0, through_stack(link_mbps) / STACK_MBPS))}
+        intervals, _ = simulate(evaluation, cpu_shares(inputs))
+        compute = next(i for i in intervals if i.row == "s0 compute" and i.micro_batch == 0)
+        arriving = next(i for i in intervals if i.row == "client -> s0" and i.micro_batch == 1)
+        overlap = min(arriving.end_s, compute.end_s) - max(arriving.start_s, compute.start_s)
+        assert overlap > 0.5 * (arriving.end_s - arriving.start_s)
+        # no other CPU work in this process meanwhile (messages cost no CPU here): only the stream slows the compute
+        work = evaluation.active_stages[0].t_comp_s
+        assert compute.end_s - compute.start_s == pytest.approx(work + overlap * (1 - expected), rel=1e-6)
 
 
 def test_a_transfer_into_a_server_slows_while_that_servers_uplink_sends():

@@ -238,6 +238,19 @@ def test_hop_bandwidth_latency_overrides_and_compression_rule():
     assert not model.hop_compressed[a, b] or (1 - 1 / 1.5) / (100e6 / 8) > 1 / 200e6 + 1 / 800e6
 
 
+def test_the_codec_calls_own_time_keeps_small_activations_raw():
+    """With a codec's per-message call time a hop compresses a prompt-sized activation but not a decode step's."""
+    codec = {"ratio": 1.5, "compress_mb_per_s": 500.0, "decompress_mb_per_s": 500.0, "call_ms": 0.06}
+    nodes = [_node("a", up=480, down=480, codec=codec), _node("b", up=480, down=480, codec=codec)]
+    inputs = _inputs(nodes, blocks=4)
+    for rows, expected in ((1, False), (512, True)):
+        model = StepModel(inputs, rows, 1)
+        n_bytes, rate = rows * 4096 * 2, 480e6 / 8
+        packed = model.hop_latency_s[0, 1] + n_bytes / (1.5 * rate) + 2 * n_bytes / 500e6 + 0.06e-3
+        assert bool(model.hop_compressed[0, 1]) is expected
+        assert model.hop[0, 1] == pytest.approx(min(packed, model.hop_latency_s[0, 1] + n_bytes / rate))
+
+
 def test_compression_modes():
     codec = {"ratio": 1.3, "compress_mb_per_s": 300.0, "decompress_mb_per_s": 1000.0}
     nodes = [_node("a", up=10000, down=10000, codec=codec), _node("b", up=10000, down=10000, codec=codec)]

@@ -265,8 +265,9 @@ def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], bl
 
 
 def with_host_costs(cpu: dict) -> dict:
-    """A CPU share with its host's costs: the CPU of a message (unless given) and the cores kept busy."""
-    return {"message_ms": MESSAGE_CPU_MS, **cpu, "busy_cores": HOST_BUSY_CORES}
+    """A CPU share with its host's costs: the CPU of a message and its stack's rate (unless given) and the cores kept
+    busy."""
+    return {"message_ms": MESSAGE_CPU_MS, "stack_mbps": STACK_MBPS, **cpu, "busy_cores": HOST_BUSY_CORES}
 
 
 def through_stack(mbps: float) -> float:

@@ -15,13 +15,15 @@ layout = policy.choose(num_bytes)                   # "raw" or "auto" by the bre
 from .core import DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, inspect
 from .entropy import byte_entropy
 from .frame import CODEC_VERSION, LAYOUTS, CodecError
-from .policy import CompressionPolicy, break_even_bandwidth, worth_compressing
+from .policy import DECODE_CALL_S, ENCODE_CALL_S, CompressionPolicy, break_even_bandwidth, worth_compressing
 
 __all__ = [
     "CODEC_VERSION",
     "LAYOUTS",
     "DEFAULT_LEVEL",
     "DEFAULT_MAX_BYTES",
+    "DECODE_CALL_S",
+    "ENCODE_CALL_S",
     "CodecError",
     "CompressionPolicy",
     "FrameInfo",

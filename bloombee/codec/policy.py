@@ -1,10 +1,15 @@
 """When to compress a hop: the break-even rule, fed by speeds measured on recent traffic.
 
 Sending ``N`` raw bytes over a link of bandwidth ``B`` takes ``N / B``. Compressing first takes
-``N / C`` to encode, ``N / (r B)`` to send and ``N / D`` to decode (``r`` the ratio, ``C`` and ``D``
-the encode and decode speeds in raw bytes per second). Compression pays iff
+``E + N / C`` to encode, ``N / (r B)`` to send and ``F + N / D`` to decode (``r`` the ratio, ``C``
+and ``D`` the encode and decode speeds in raw bytes per second, ``E`` and ``F`` the CPU time of one
+call beyond its bytes). Compression pays iff
 
-    (1 - 1/r) / B  >  1/C + 1/D,        i.e.  B < B* = (1 - 1/r) / (1/C + 1/D).
+    (1 - 1/r) / B  >  1/C + 1/D + (E + F) / N,     i.e.  B < B*(N) = (1 - 1/r) / (1/C + 1/D + (E + F) / N).
+
+The calls' own time matters for small messages: a 16 KiB decode step's frame costs about as much in
+calls as in bytes, a 256 KiB prompt's ten times less, so one speed for both would keep prompts raw
+on links where compressing them pays.
 
 ``CompressionPolicy`` keeps exponentially weighted averages of ``r``, ``1/C`` and ``1/D`` from the
 encodes it makes and the decodes its receiver reports (the receiver's own speed travels back in
@@ -23,6 +28,7 @@ its acknowledgement is mostly the receiver's turnaround, not bytes over the link
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -41,20 +47,27 @@ MODES = ("auto", "on", "off")
 PRIOR_RATIO = 1.3
 PRIOR_COMPRESS_SPEED = 400e6  # raw bytes per second
 PRIOR_DECOMPRESS_SPEED = 1.0e9  # raw bytes per second
+# CPU time of one encode and one decode call beyond their bytes (frame header, tensor views, zstd context), measured
+# here on bf16 activations of 2 KiB - 1 MiB (benchmarks/codec_calls.py): encode 32 us + N / 1.5 GB/s, decode
+# 27 us + N / 2.2 GB/s; the speeds the policy learns and the planner profiles announce are those of the bytes alone
+ENCODE_CALL_S = 32e-6
+DECODE_CALL_S = 27e-6
+CALLS_S = ENCODE_CALL_S + DECODE_CALL_S
 
 
-def break_even_bandwidth(ratio: float, compress_speed: float, decompress_speed: float) -> float:
-    """The link bandwidth (bytes/s) below which compressing at these ratio and speeds pays."""
+def break_even_bandwidth(ratio: float, compress_speed: float, decompress_speed: float,
+                         num_bytes: float = math.inf) -> float:
+    """The link bandwidth (bytes/s) below which compressing a message of `num_bytes` raw bytes at these ratio and
+    speeds pays (the calls' own time included; without `num_bytes`, that of very large messages)."""
     if ratio <= 1.0:
         return 0.0
-    return (1.0 - 1.0 / ratio) / (1.0 / compress_speed + 1.0 / decompress_speed)
+    return (1.0 - 1.0 / ratio) / (1.0 / compress_speed + 1.0 / decompress_speed + CALLS_S / num_bytes)
 
 
-def worth_compressing(ratio: float, bandwidth: float, compress_speed: float, decompress_speed: float) -> bool:
-    """The rule: (1 - 1/r) / B > 1/C + 1/D."""
-    if ratio <= 1.0:
-        return False
-    return (1.0 - 1.0 / ratio) / bandwidth > 1.0 / compress_speed + 1.0 / decompress_speed
+def worth_compressing(ratio: float, bandwidth: float, compress_speed: float, decompress_speed: float,
+                      num_bytes: float = math.inf) -> bool:
+    """The rule: (1 - 1/r) / B > 1/C + 1/D + (E + F) / N."""
+    return bandwidth < break_even_bandwidth(ratio, compress_speed, decompress_speed, num_bytes)
 
 
 @dataclass
@@ -172,7 +185,7 @@ class CompressionPolicy:
     def _decide(self, num_bytes: int) -> Decision:
         bw = self.bandwidth
         r, c, dspeed = self.ratio, self.compress_speed, self.decompress_speed
-        b_star = break_even_bandwidth(r, c, dspeed)
+        b_star = break_even_bandwidth(r, c, dspeed, num_bytes)
 
         def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
             return Decision(
@@ -208,19 +221,19 @@ class CompressionPolicy:
 
     # ------------------------------------------------------------------ observations
     def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
-        """Record one encode the policy asked to compress: sizes and CPU seconds."""
+        """Record one encode the policy asked to compress: sizes and CPU seconds (the call's own time is taken off)."""
         if raw_bytes <= 0 or encoded_bytes <= 0 or seconds < 0:
             return
         with self._lock:
             self._ratio.update(raw_bytes / encoded_bytes)
-            self._enc_spb.update(max(seconds, 1e-9) / raw_bytes)
+            self._enc_spb.update(max(seconds - ENCODE_CALL_S, 1e-9) / raw_bytes)
 
     def observe_decode(self, raw_bytes: int, seconds: float) -> None:
-        """Record one decode of a compressed frame: decoded size and CPU seconds."""
+        """Record one decode of a compressed frame: decoded size and CPU seconds (the call's own time is taken off)."""
         if raw_bytes <= 0 or seconds < 0:
             return
         with self._lock:
-            self._dec_spb.update(max(seconds, 1e-9) / raw_bytes)
+            self._dec_spb.update(max(seconds - DECODE_CALL_S, 1e-9) / raw_bytes)
 
     def adopt_decompress_speed(self, speed: float) -> None:
         """Take the receiver's own measured decode speed (raw bytes/s) in place of this policy's estimate."""

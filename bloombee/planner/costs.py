@@ -25,8 +25,8 @@ Compute (seconds):  T_comp = l * (t_mlp(b) + (1 - alpha) * t_attn_gpu(b) + alpha
 A hop src -> dst carrying n = b * activation_bytes_per_token bytes:
 
     raw:        latency + n / bandwidth
-    compressed: latency + n / (r * bandwidth) + n / C_src + n / D_dst
-    compressed iff (1 - 1/r) / bandwidth > 1/C_src + 1/D_dst (workload.compression = auto),
+    compressed: latency + n / (r * bandwidth) + n / C_src + n / D_dst + call_src
+    compressed iff that is the faster (workload.compression = auto; call: one encode and one decode's own time),
     always where both ends have a codec (on), never (off); r and C from the sender, D from the receiver.
 """
 
@@ -236,14 +236,16 @@ class StepModel:
         rate, lat_s, r = static.rate, static.lat_s, static.ratio
         raw = lat_s + n_bytes / rate
         with np.errstate(invalid="ignore"):  # nan where an end has no codec; not used there
-            compressed_time = lat_s + n_bytes / (r * rate) + n_bytes / static.compress_speed + n_bytes / static.decompress_speed
+            compressed_time = (lat_s + n_bytes / (r * rate) + n_bytes / static.compress_speed
+                               + n_bytes / static.decompress_speed + static.call_s)
         mode = self.inputs.workload.compression
         if mode == "off":
             use = np.zeros((size, size), dtype=bool)
         elif mode == "on":
             use = static.both
         else:
-            use = static.both & static.pays
+            with np.errstate(invalid="ignore"):
+                use = static.both & (compressed_time < raw)
         hop = np.where(use, compressed_time, raw)
         np.fill_diagonal(hop, np.inf)
         wire = n_bytes / np.where(use, r, 1.0)
@@ -288,8 +290,8 @@ class _Static:
     ratio: np.ndarray  # [src, 1]
     compress_speed: np.ndarray  # [src, 1], bytes/s
     decompress_speed: np.ndarray  # [1, dst], bytes/s
+    call_s: np.ndarray  # [src, 1], seconds of one encode and one decode beyond their bytes
     both: np.ndarray  # both ends have a codec
-    pays: np.ndarray  # the break-even rule: (1 - 1/r) / bandwidth > 1/C + 1/D
     per_b: dict = field(default_factory=dict)  # micro-batch size -> (t_mlp, t_attn_gpu, t_attn_cpu, hops)
 
 
@@ -332,11 +334,10 @@ def _static(inputs: PlanInputs) -> _Static:
     codecs = [m.compression for m in machines]
     has = np.array([c is not None for c in codecs])
     ratio = np.array([c.ratio if c is not None else np.nan for c in codecs])[:, None]
+    call_s = np.array([c.call_ms * MS if c is not None else np.nan for c in codecs])[:, None]
     c_speed = np.array([c.compress_mb_per_s * 1e6 if c is not None else np.nan for c in codecs])[:, None]
     d_speed = np.array([c.decompress_mb_per_s * 1e6 if c is not None else np.nan for c in codecs])[None, :]
     both = has[:, None] & has[None, :] & ~np.eye(size, dtype=bool)
-    with np.errstate(invalid="ignore"):
-        pays = (1.0 - 1.0 / ratio) / rate > 1.0 / c_speed + 1.0 / d_speed
     nodes = inputs.nodes
     static = _Static(
         names=names,
@@ -351,8 +352,8 @@ def _static(inputs: PlanInputs) -> _Static:
         ratio=ratio,
         compress_speed=c_speed,
         decompress_speed=d_speed,
+        call_s=call_s,
         both=both,
-        pays=pays,
     )
     for array in (static.gpu_bytes, static.host_bytes, static.reserved_bytes, static.fixed_offload, bandwidth, latency,
                   rate, static.lat_s):

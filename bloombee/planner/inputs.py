@@ -188,6 +188,7 @@ class CompressionSpec(_Strict):
     ratio: float = Field(gt=0)
     compress_mb_per_s: float = Field(gt=0)
     decompress_mb_per_s: float = Field(gt=0)
+    call_ms: float = Field(0.0, ge=0, description="CPU time of one encode and one decode beyond their bytes")
 
 
 class LinkOverride(_Strict):
@@ -245,6 +246,9 @@ class CpuShare(_Strict):
                                                        "message it sends or receives, in turns with its compute")
     busy_cores: float = Field(0.0, ge=0, description="cores of the machine that processes outside the chain's "
                                                      "compute (p2p daemons, DHT peers) keep busy while it computes")
+    stack_mbps: float = Field(0.0, ge=0, description="rate at which this process and its p2p daemon move a message's "
+                                                     "bytes (0: not modelled); while a message streams through the "
+                                                     "process, that share of its transfer takes turns with its compute")
 
 
 class NodeSpec(_Strict):

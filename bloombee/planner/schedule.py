@@ -14,7 +14,9 @@ compute on the CPU of one machine share its cores while their micro-batches over
 sharing), which the simulation models when given the nodes' CPU shares and eq. 4 does not. There,
 each message also costs CPU at both ends of its hop (``CpuShare.message_ms``: kinds "send" and
 "receive"), taken in turns with the same process's compute (one interpreter) and shared with the
-host's other processes. A transfer into a node slows while that node's own uplink sends: the
+host's other processes, and so does the share of a transfer that its ends' p2p stacks take
+(``CpuShare.stack_mbps``) while the message streams through them. A transfer into a node slows while that node's own
+uplink sends: the
 transfer's acknowledgements queue behind the outgoing message (``ack_slowdown``). netbench shows the
 simulation is the one that matches measurement, so the client's `micro_batches="auto"` decides with it.
 """
@@ -127,18 +129,19 @@ def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
 
 
 def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopResult]) -> dict[tuple[int, int], float]:
-    """Progress per second of each running task. CPU work (compute, message handling) of one process shares its
-    threads (one interpreter: message handling and compute take turns), and the processes of one host share the
-    cores its other processes leave free (`CpuShare.busy_cores`, at least one); a transfer runs at full speed
-    unless its receiver's uplink is sending (`ack_slowdown`)."""
-    sending = {hops[tasks[mb][k][0]].src: hops[tasks[mb][k][0]] for mb, k in active if tasks[mb][k][1] == "transfer"}
+    """Progress per second of each running task. CPU work (compute, message handling, the stack's share of a
+    message streaming through: `streaming`) of one process shares its threads (one interpreter: they take turns),
+    and the processes of one host share the cores its other processes leave free (`CpuShare.busy_cores`, at least
+    one); a transfer runs at full speed unless its receiver's uplink is sending (`ack_slowdown`)."""
+    transfers = [hops[tasks[mb][k][0]] for mb, k in active if tasks[mb][k][1] == "transfer"]
+    sending = {hop.src: hop for hop in transfers}
     users = {key: _cpu_user(tasks[key[0]][key[1]], cpus) for key in active}
-    per_process: dict[str, int] = {}
+    per_process = streaming(transfers, cpus)
     for node in users.values():
         if node is not None:
-            per_process[node] = per_process.get(node, 0) + 1
+            per_process[node] = per_process.get(node, 0.0) + 1
     per_host: dict[str, int] = {}
-    for node in per_process:
+    for node in {node for node in users.values() if node is not None}:
         per_host[cpus[node].host] = per_host.get(cpus[node].host, 0) + cpus[node].threads
     rates = {}
     for key, node in users.items():
@@ -150,6 +153,18 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
         share = cpus[node]
         rates[key] = min(1.0, max(1.0, share.cores - share.busy_cores) / per_host[share.host]) / per_process[node]
     return rates
+
+
+def streaming(transfers: list[HopResult], cpus: Mapping[str, CpuShare]) -> dict[str, float]:
+    """Node -> the share of its interpreter that the messages streaming through it take: of each running transfer
+    it sends or receives, the stack's share of the transfer's time (its rate over the node's `stack_mbps`)."""
+    load: dict[str, float] = {}
+    for hop in transfers:
+        for node in (hop.src, hop.dst):
+            share = cpus.get(node)
+            if share is not None and share.stack_mbps > 0:
+                load[node] = load.get(node, 0.0) + min(1.0, hop.bandwidth_mbps / share.stack_mbps)
+    return load
 
 
 def ack_slowdown(hop: HopResult, reverse: HopResult) -> float:

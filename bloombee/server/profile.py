@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 GIB = 1024**3
 MICRO_BATCHES = (1, 4, 16, 64, 256, 1024)
 ROUNDS, REPEATS = 3, 2  # every size is timed REPEATS times in each of ROUNDS passes over all sizes; the median counts
-PROFILE_VERSION = 7  # part of the cache key: figures measured by an older method are measured again
+PROFILE_VERSION = 8  # part of the cache key: figures measured by an older method are measured again
 
 
 def _times_ms(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> list[float]:
@@ -92,15 +92,18 @@ def _prompt_outputs(backend: BlockBackend, batch: int, tokens: int) -> torch.Ten
 
 
 def _codec_figures(hidden: torch.Tensor) -> dict:
-    """Ratio and speeds (raw MB/s) of the codec on this server's own block outputs."""
+    """Ratio and speeds (raw MB/s, of the bytes beyond each call's own time) of the codec on this server's own block
+    outputs, and that time per message."""
     began = time.perf_counter()
     frame = codec.encode(hidden, "auto")
     encoded = time.perf_counter()
     codec.decode(frame)
     decoded = time.perf_counter()
     raw = hidden.numel() * hidden.element_size()
-    return {"ratio": raw / len(frame), "compress_mb_per_s": raw / 1e6 / max(encoded - began, 1e-9),
-            "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded, 1e-9)}
+    return {"ratio": raw / len(frame),
+            "compress_mb_per_s": raw / 1e6 / max(encoded - began - codec.ENCODE_CALL_S, 1e-9),
+            "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded - codec.DECODE_CALL_S, 1e-9),
+            "call_ms": (codec.ENCODE_CALL_S + codec.DECODE_CALL_S) * 1e3}
 
 
 def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float, device: torch.device,
