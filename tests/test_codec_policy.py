@@ -92,14 +92,32 @@ def test_observed_ratio_moves_the_decision():
 
 
 def test_observed_speeds_move_the_decision():
-    p = policy(link_bandwidth=30 * MB, alpha=1.0)
+    p = policy(link_bandwidth=30 * MB)
     assert p.choose(1 << 20) == "auto"  # 30 MB/s < 83.3 MB/s
     p.observe_encode(1_000_000, 666_667, 0.01 + codec.ENCODE_CALL_S)  # 100 MB/s encode: break-even drops to 27.8 MB/s
     assert p.compress_speed == pytest.approx(100 * MB)
     assert p.choose(1 << 20) == "raw"
     p.observe_decode(1_000_000, 0.0001 + codec.DECODE_CALL_S)  # 10 GB/s decode
-    p.observe_encode(1_000_000, 666_667, 0.001 + codec.ENCODE_CALL_S)  # 1 GB/s encode: break-even 303 MB/s
+    p.observe_encode(1_000_000, 666_667, 0.0001 + codec.ENCODE_CALL_S)  # 10 GB/s: the median of the two, 198 MB/s
+    assert p.compress_speed == pytest.approx(1 / 5.05e-9)
     assert p.choose(1 << 20) == "auto"
+
+
+def test_one_slow_call_does_not_move_the_speeds():
+    """A process's first encode (a cold codec) takes 10x a warm one: among warm ones it is outvoted at once."""
+    p = policy()
+    p.observe_encode(16384, 10_000, 10 * (codec.ENCODE_CALL_S + 16384 / 500e6))
+    assert p.compress_speed < 50 * MB
+    for _ in range(2):
+        p.observe_encode(16384, 10_000, codec.ENCODE_CALL_S + 16384 / 500e6)
+    assert p.compress_speed == pytest.approx(500 * MB)
+    p.adopt_decompress_speed(2e9)
+    assert p.decompress_speed == pytest.approx(2e9)
+    p.observe_decode(16384, 10 * (codec.DECODE_CALL_S + 16384 / 2e9))
+    assert p.decompress_speed < 2e8  # the median of two is their mean
+    for _ in range(2):
+        p.observe_decode(16384, codec.DECODE_CALL_S + 16384 / 2e9)
+    assert p.decompress_speed == pytest.approx(2e9)
 
 
 def test_encode_speed_is_cpu_time_not_the_wait_for_the_interpreter_lock():

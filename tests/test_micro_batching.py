@@ -282,3 +282,19 @@ def test_a_message_crosses_the_p2p_stack_and_then_its_link():
     megabits = 40.0 * (first_hop_s(20.0) - first_hop_s(40.0))  # the stack's share and the latency cancel out
     assert first_hop_s(20.0) - first_hop_s(1e9) == pytest.approx(megabits / 20.0, rel=0.01)
     assert first_hop_s(1e9) > megabits / STACK_MBPS
+
+
+def test_more_micro_batches_only_where_the_model_has_them_clearly_faster():
+    """Within SPLIT_MARGIN of the fewer micro-batches' time a split is not worth its messages."""
+    from bloombee.client.micro_batching import SPLIT_MARGIN
+
+    def chooser(times: dict[int, float]) -> MicroBatchChooser:
+        choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off")
+        choose.step_seconds = lambda spans, batch, tokens, context, micro_batches: times[micro_batches]
+        return choose
+
+    spans = chain(20.0)
+    slightly = 1 - SPLIT_MARGIN / 2
+    assert chooser({1: 1.0, 2: slightly, 4: 1.2})(spans, 32, 16, 16) == 1
+    assert chooser({1: 1.0, 2: 0.9, 4: 0.9 * slightly, 8: 1.0})(spans, 32, 16, 16) == 2
+    assert chooser({1: 1.0, 2: slightly, 4: 0.8, 8: 0.9})(spans, 32, 16, 16) == 4

@@ -17,7 +17,7 @@ from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.client.verification import Untrusted, Verifier
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
-from bloombee.codec.policy import Ewma
+from bloombee.codec.policy import DECODE_CALL_S, ByteCost
 from bloombee.dht.records import ServerRecord
 from bloombee.protocol import (
     EncodedTensors,
@@ -170,7 +170,7 @@ class InferenceSession:
         self.clock = StepClock(settings, hidden_size)
         self.last_step: StepStats | None = None
         self._step_id = 0
-        self._own_decode_speed = Ewma(0.2, None)  # raw bytes/s this client decodes replies at
+        self._own_decode = ByteCost(DECODE_CALL_S, None)  # how fast this client decodes replies
         self._events: asyncio.Queue | None = None
         self._closed = False
         self.verifier = Verifier(manager, p2p, settings, policy_for)
@@ -432,7 +432,7 @@ class InferenceSession:
         if reply and self._compaction is not None:
             header["compact_start"] = self._compaction[0]
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
-                            reply_decode_speed=self._own_decode_speed.value, **header)
+                            reply_decode_speed=self._own_decode.speed, **header)
         loop = asyncio.get_running_loop()
         for offset, tensors in parts:
             if header.compact_start is not None:
@@ -489,7 +489,7 @@ class InferenceSession:
                     self._policy(stream).observe_decode(raw_bytes, report.decode_cpu_s)
             layout, raw_bytes = sent[-1]
             if layout != "raw" and client_cpu_s > 0:
-                self._own_decode_speed.update(raw_bytes / client_cpu_s)
+                self._own_decode.observe(raw_bytes, client_cpu_s)
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, expected: float,
                      stats: StepStats | None = None, offsets: Sequence[int] = (0,),

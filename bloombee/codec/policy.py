@@ -7,11 +7,12 @@ call beyond its bytes). Compression pays iff
 
     (1 - 1/r) / B  >  1/C + 1/D + (E + F) / N,     i.e.  B < B*(N) = (1 - 1/r) / (1/C + 1/D + (E + F) / N).
 
-The calls' own time matters for small messages: a 16 KiB decode step's frame costs about as much in
-calls as in bytes, a 256 KiB prompt's ten times less, so one speed for both would keep prompts raw
+The calls' own time matters for small messages: it is three quarters of the codec's time on a 16 KiB
+decode step's frame and a sixth on a 256 KiB prompt's, so one speed for both would keep prompts raw
 on links where compressing them pays.
 
-``CompressionPolicy`` keeps exponentially weighted averages of ``r``, ``1/C`` and ``1/D`` from the
+``CompressionPolicy`` keeps an exponentially weighted average of ``r`` and the medians of recent
+``1/C`` and ``1/D`` (`ByteCost`) from the
 encodes it makes and the decodes its receiver reports (the receiver's own speed travels back in
 each step's hop reports), takes ``B`` from the caller (the link speed the DHT records announce, the
 figure the planner models the hop with), and applies the rule per message. Use one policy per link.
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -53,6 +56,7 @@ PRIOR_DECOMPRESS_SPEED = 1.0e9  # raw bytes per second
 ENCODE_CALL_S = 32e-6
 DECODE_CALL_S = 27e-6
 CALLS_S = ENCODE_CALL_S + DECODE_CALL_S
+SPEED_WINDOW = 9  # codec speeds are the median of this many recent calls
 
 
 def break_even_bandwidth(ratio: float, compress_speed: float, decompress_speed: float,
@@ -84,6 +88,33 @@ class Decision:
     probe: bool = False
 
 
+class ByteCost:
+    """Seconds per raw byte that one side of the codec takes beyond each call's own time (`call_s`): the median of
+    its last SPEED_WINDOW observations, so that one cold first call (10x a warm one here) or one descheduled
+    mid-way does not move it; the prior (a speed, or None) until the first."""
+
+    def __init__(self, call_s: float, prior_speed: float | None):
+        self.call_s = call_s
+        self.prior_speed = prior_speed
+        self._recent: deque[float] = deque(maxlen=SPEED_WINDOW)
+        self.count = 0
+
+    def observe(self, raw_bytes: int, seconds: float) -> None:
+        self._recent.append(max(seconds - self.call_s, 1e-9) / raw_bytes)
+        self.count += 1
+
+    def adopt(self, speed: float) -> None:
+        """Take `speed` (raw bytes/s, measured elsewhere) in place of the observations so far."""
+        self._recent.clear()
+        self._recent.append(1.0 / speed)
+        self.count = max(self.count, 1)
+
+    @property
+    def speed(self) -> float | None:
+        """Raw bytes per second of the bytes alone (the prior before any observation)."""
+        return 1.0 / statistics.median(self._recent) if self._recent else self.prior_speed
+
+
 class Ewma:
     """An exponentially weighted moving average; ``value`` is the prior until the first update."""
 
@@ -97,9 +128,6 @@ class Ewma:
     def update(self, x: float) -> None:
         self.value = x if self.value is None or self.count == 0 else self.value + self.alpha * (x - self.value)
         self.count += 1
-
-    def set(self, x: float) -> None:
-        self.value, self.count = x, max(self.count, 1)
 
 
 class CompressionPolicy:
@@ -137,8 +165,8 @@ class CompressionPolicy:
         self.probe_every = probe_every
         self._lock = threading.Lock()
         self._ratio = Ewma(alpha, prior_ratio)
-        self._enc_spb = Ewma(alpha, 1.0 / prior_compress_speed)  # seconds per raw byte
-        self._dec_spb = Ewma(alpha, 1.0 / prior_decompress_speed)
+        self._encode = ByteCost(ENCODE_CALL_S, prior_compress_speed)
+        self._decode = ByteCost(DECODE_CALL_S, prior_decompress_speed)
         self._bandwidth = link_bandwidth
         self._raw_streak = 0
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}
@@ -151,16 +179,16 @@ class CompressionPolicy:
 
     @property
     def compress_speed(self) -> float:
-        return 1.0 / self._enc_spb.value
+        return self._encode.speed
 
     @property
     def decompress_speed(self) -> float:
-        return 1.0 / self._dec_spb.value
+        return self._decode.speed
 
     @property
     def measured_decompress_speed(self) -> float | None:
         """The receiver's decode speed once one has been observed or adopted, else None."""
-        return self.decompress_speed if self._dec_spb.count else None
+        return self.decompress_speed if self._decode.count else None
 
     @property
     def bandwidth(self) -> float | None:
@@ -226,21 +254,21 @@ class CompressionPolicy:
             return
         with self._lock:
             self._ratio.update(raw_bytes / encoded_bytes)
-            self._enc_spb.update(max(seconds - ENCODE_CALL_S, 1e-9) / raw_bytes)
+            self._encode.observe(raw_bytes, seconds)
 
     def observe_decode(self, raw_bytes: int, seconds: float) -> None:
         """Record one decode of a compressed frame: decoded size and CPU seconds (the call's own time is taken off)."""
         if raw_bytes <= 0 or seconds < 0:
             return
         with self._lock:
-            self._dec_spb.update(max(seconds - DECODE_CALL_S, 1e-9) / raw_bytes)
+            self._decode.observe(raw_bytes, seconds)
 
     def adopt_decompress_speed(self, speed: float) -> None:
         """Take the receiver's own measured decode speed (raw bytes/s) in place of this policy's estimate."""
         if speed <= 0:
             raise ValueError("decompress speed must be a positive number of bytes per second.")
         with self._lock:
-            self._dec_spb.set(1.0 / speed)
+            self._decode.adopt(speed)
 
     # ------------------------------------------------------------------ conveniences
     def encode(self, tensor: torch.Tensor, link_bandwidth: float | None = None) -> bytes:
@@ -268,7 +296,7 @@ class CompressionPolicy:
                     "break_even_bandwidth": break_even_bandwidth(self.ratio, self.compress_speed, self.decompress_speed),
                     "observations": {
                         "encode": self._ratio.count,
-                        "decode": self._dec_spb.count,
+                        "decode": self._decode.count,
                     },
                 },
                 "counts": dict(self._counts),
