@@ -61,7 +61,7 @@ def test_observed_times_are_taken_as_the_call_plus_its_bytes():
     p = policy()
     p.observe_encode(1_000_000, 500_000, codec.ENCODE_CALL_S + 0.001)  # 1 ms for the bytes: 1 GB/s
     p.observe_decode(1_000_000, codec.DECODE_CALL_S + 0.0005)  # 2 GB/s
-    assert p.compress_speed == pytest.approx(1e9) and p.decompress_speed == pytest.approx(2e9)
+    assert p.figures(1_000_000) == pytest.approx((2.0, 1e9, 2e9))
 
 
 def test_tiny_messages_and_modes():
@@ -87,37 +87,55 @@ def test_observed_ratio_moves_the_decision():
     assert p.choose(1 << 20) == "auto"
     for _ in range(20):  # the traffic turns out incompressible: ratio ~1.01
         p.observe_encode(1 << 20, int((1 << 20) / 1.01), 0.002)
-    assert p.ratio == pytest.approx(1.01, rel=1e-3)
+    assert p.figures(1 << 20)[0] == pytest.approx(1.01, rel=1e-3)
     assert p.choose(1 << 20) == "raw"
 
 
 def test_observed_speeds_move_the_decision():
     p = policy(link_bandwidth=30 * MB)
     assert p.choose(1 << 20) == "auto"  # 30 MB/s < 83.3 MB/s
-    p.observe_encode(1_000_000, 666_667, 0.01 + codec.ENCODE_CALL_S)  # 100 MB/s encode: break-even drops to 27.8 MB/s
-    assert p.compress_speed == pytest.approx(100 * MB)
-    assert p.choose(1 << 20) == "raw"
-    p.observe_decode(1_000_000, 0.0001 + codec.DECODE_CALL_S)  # 10 GB/s decode
-    p.observe_encode(1_000_000, 666_667, 0.0001 + codec.ENCODE_CALL_S)  # 10 GB/s: the median of the two, 198 MB/s
-    assert p.compress_speed == pytest.approx(1 / 5.05e-9)
-    assert p.choose(1 << 20) == "auto"
+    n = 1 << 20
+    p.observe_encode(n, n // 1.5, n / 100e6 + codec.ENCODE_CALL_S)  # 100 MB/s encode: break-even drops to 27.8 MB/s
+    assert p.figures(n)[1] == pytest.approx(100 * MB)
+    assert p.choose(n) == "raw"
+    p.observe_decode(n, n / 10e9 + codec.DECODE_CALL_S)  # 10 GB/s decode
+    p.observe_encode(n, n // 1.5, n / 10e9 + codec.ENCODE_CALL_S)  # 10 GB/s: the median of the two, 198 MB/s
+    assert p.figures(n)[1] == pytest.approx(1 / 5.05e-9)
+    assert p.choose(n) == "auto"
+    assert p.figures(n // 2) == (1.5, 500 * MB, 500 * MB)  # messages of another size class: still the priors
 
 
 def test_one_slow_call_does_not_move_the_speeds():
     """A process's first encode (a cold codec) takes 10x a warm one: among warm ones it is outvoted at once."""
     p = policy()
     p.observe_encode(16384, 10_000, 10 * (codec.ENCODE_CALL_S + 16384 / 500e6))
-    assert p.compress_speed < 50 * MB
+    assert p.figures(16384)[1] < 50 * MB
     for _ in range(2):
         p.observe_encode(16384, 10_000, codec.ENCODE_CALL_S + 16384 / 500e6)
-    assert p.compress_speed == pytest.approx(500 * MB)
-    p.adopt_decompress_speed(2e9)
-    assert p.decompress_speed == pytest.approx(2e9)
+    assert p.figures(16384)[1] == pytest.approx(500 * MB)
+    p.adopt_decompress_speed(2e9, 16384)
+    assert p.measured_decompress_speed(16384) == pytest.approx(2e9)
     p.observe_decode(16384, 10 * (codec.DECODE_CALL_S + 16384 / 2e9))
-    assert p.decompress_speed < 2e8  # the median of two is their mean
+    assert p.figures(16384)[2] < 2e8  # the median of two is their mean
     for _ in range(2):
         p.observe_decode(16384, codec.DECODE_CALL_S + 16384 / 2e9)
-    assert p.decompress_speed == pytest.approx(2e9)
+    assert p.figures(16384)[2] == pytest.approx(2e9)
+    assert p.measured_decompress_speed(1 << 20) is None
+
+
+def test_each_size_class_learns_its_own_figures():
+    """A decode step's 16 KiB frames code at a lower speed per byte than a prompt's 256 KiB ones (the calls and cold
+    caches weigh more): what the small ones teach leaves the large ones compressed on a link where they pay."""
+    p = policy(link_bandwidth=30 * MB, probe_every=0)
+    for _ in range(5):
+        p.observe_encode(16384, 11_000, 16384 / 50e6)
+        p.observe_decode(16384, 16384 / 100e6)
+    assert p.choose(16384) == "raw" and p.choose(30_000) == "raw"  # 16-32 KiB: one class
+    assert p.choose(1 << 18) == "auto"  # its own class: the priors until it learns
+    p.observe_encode(1 << 18, (1 << 18) // 2, (1 << 18) / 600e6)
+    p.observe_decode(1 << 18, (1 << 18) / 1e9)
+    assert p.choose(1 << 18) == "auto"
+    assert set(p.report()["estimates"]) == {"< 32 KiB", "< 512 KiB"}
 
 
 def test_encode_speed_is_cpu_time_not_the_wait_for_the_interpreter_lock():
@@ -144,8 +162,8 @@ def test_encode_speed_is_cpu_time_not_the_wait_for_the_interpreter_lock():
     finally:
         spinning.clear()
         spinner.join()
-    assert p.report()["estimates"]["observations"]["encode"] == 5
-    assert p.compress_speed > 5 * MB and p.compress_speed > 3 * wall_speed
+    assert p.report()["estimates"]["< 32 KiB"]["observations"]["encode"] == 5
+    assert p.figures(x.nbytes)[1] > 5 * MB and p.figures(x.nbytes)[1] > 3 * wall_speed
 
 
 def test_probes_keep_estimates_fresh_on_fast_links():
@@ -165,13 +183,14 @@ def test_policy_encode_decode_round_trip_and_learn():
     assert codec.inspect(data).layout != "raw"
     y = codec.decode(data)
     assert torch.equal(y.view(torch.int16), x.view(torch.int16))
-    obs = p.report()["estimates"]["observations"]
+    obs = p.report()["estimates"]["< 256 KiB"]["observations"]
     assert obs["encode"] == 1 and obs["decode"] == 0
-    p.adopt_decompress_speed(5e9)
-    assert p.decompress_speed == pytest.approx(5e9) and p.report()["estimates"]["observations"]["decode"] == 1
-    assert p.ratio == pytest.approx(codec.inspect(data).ratio)
+    p.adopt_decompress_speed(5e9, x.nbytes)
+    assert p.figures(x.nbytes)[2] == pytest.approx(5e9)
+    assert p.report()["estimates"]["< 256 KiB"]["observations"]["decode"] == 1
+    assert p.figures(x.nbytes)[0] == pytest.approx(codec.inspect(data).ratio)
     fast = CompressionPolicy("auto", link_bandwidth=1e12, probe_every=0)
     assert codec.inspect(fast.encode(x)).layout == "raw"
-    assert fast.report()["estimates"]["observations"]["encode"] == 0
+    assert fast.report()["estimates"]["< 256 KiB"]["observations"]["encode"] == 0
     restricted = CompressionPolicy("on", accepted=["raw"])
     assert codec.inspect(restricted.encode(x)).layout == "raw"

@@ -49,17 +49,18 @@ def test_receivers_decode_speeds_reach_the_senders_policies(swarm):
     hidden = model.head.embed(torch.tensor([[5, 6, 7, 8]]))
     with model.remote.inference_session(max_length=16, batch_size=1) as session:
         session.step(hidden)
-        session.step(hidden[:, -1:])
+        for _ in range(2):  # the second decode step carries the speeds the first one measured
+            session.step(hidden[:, -1:])
         first, second = session.spans
     # the client's policy for each server holds that server's own decode speed, from its hop report
     for span in (first, second):
-        assert model.remote.policy_for(span.peer_id, span.record).measured_decompress_speed > 0
+        assert model.remote.policy_for(span.peer_id, span.record).measured_decompress_speed(hidden[:, -1:].nbytes) > 0
     # the first server's push policy for the second adopted the second's speed, which the step's route carried
     links = model.remote.server_info(first.peer_id)["links"]
-    push = links[second.peer_id]["estimates"]
+    push = links[second.peer_id]["estimates"]["< 512 B"]  # a decode step's 256 B
     assert push["observations"]["decode"] >= 1 and push["decompress_speed"] > 0
     # and the last server's reply policy adopted the client's own decode speed, carried by the step header
-    reply = model.remote.server_info(second.peer_id)["links"][model.remote.p2p.peer_id.to_base58()]["estimates"]
+    reply = model.remote.server_info(second.peer_id)["links"][model.remote.p2p.peer_id.to_base58()]["estimates"]["< 512 B"]
     assert reply["observations"]["decode"] >= 1
 
 

@@ -17,7 +17,7 @@ from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.client.verification import Untrusted, Verifier
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
-from bloombee.codec.policy import DECODE_CALL_S, ByteCost
+from bloombee.codec.policy import DECODE_CALL_S, ByteCost, size_class
 from bloombee.dht.records import ServerRecord
 from bloombee.protocol import (
     EncodedTensors,
@@ -170,7 +170,7 @@ class InferenceSession:
         self.clock = StepClock(settings, hidden_size)
         self.last_step: StepStats | None = None
         self._step_id = 0
-        self._own_decode = ByteCost(DECODE_CALL_S, None)  # how fast this client decodes replies
+        self._own_decode: dict[int, ByteCost] = {}  # size class -> how fast this client decodes replies of that size
         self._events: asyncio.Queue | None = None
         self._closed = False
         self.verifier = Verifier(manager, p2p, settings, policy_for)
@@ -426,13 +426,15 @@ class InferenceSession:
                          **header) -> None:
         """Encode and send one step's micro-batches to the first server of `chain`, with the rest of the chain, and
         the accepted nodes of the last tree while the servers have not had them."""
+        message_bytes = max(tensor.nbytes for tensor in parts[0][1].values())  # the hidden states every server sends on
         route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
                           link_bandwidth=stream.span.record.link_bandwidth,
-                          decode_speed=self._policy(stream).measured_decompress_speed) for stream in chain[1:])
+                          decode_speed=self._policy(stream).measured_decompress_speed(message_bytes))
+                      for stream in chain[1:])
         if reply and self._compaction is not None:
             header["compact_start"] = self._compaction[0]
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
-                            reply_decode_speed=self._own_decode.speed, **header)
+                            reply_decode_speed=self._own_decode_speed(message_bytes), **header)
         loop = asyncio.get_running_loop()
         for offset, tensors in parts:
             if header.compact_start is not None:
@@ -489,7 +491,13 @@ class InferenceSession:
                     self._policy(stream).observe_decode(raw_bytes, report.decode_cpu_s)
             layout, raw_bytes = sent[-1]
             if layout != "raw" and client_cpu_s > 0:
-                self._own_decode.observe(raw_bytes, client_cpu_s)
+                self._own_decode.setdefault(size_class(raw_bytes), ByteCost(DECODE_CALL_S, None)).observe(
+                    raw_bytes, client_cpu_s)
+
+    def _own_decode_speed(self, num_bytes: int) -> float | None:
+        """How fast this client decodes replies of `num_bytes` (None before it has decoded a compressed one)."""
+        cost = self._own_decode.get(size_class(num_bytes))
+        return None if cost is None else cost.speed
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, expected: float,
                      stats: StepStats | None = None, offsets: Sequence[int] = (0,),

@@ -7,17 +7,18 @@ call beyond its bytes). Compression pays iff
 
     (1 - 1/r) / B  >  1/C + 1/D + (E + F) / N,     i.e.  B < B*(N) = (1 - 1/r) / (1/C + 1/D + (E + F) / N).
 
-The calls' own time matters for small messages: it is three quarters of the codec's time on a 16 KiB
-decode step's frame and a sixth on a 256 KiB prompt's, so one speed for both would keep prompts raw
-on links where compressing them pays.
-
-``CompressionPolicy`` keeps an exponentially weighted average of ``r`` and the medians of recent
-``1/C`` and ``1/D`` (`ByteCost`) from the
-encodes it makes and the decodes its receiver reports (the receiver's own speed travels back in
-each step's hop reports), takes ``B`` from the caller (the link speed the DHT records announce, the
+The calls' own time matters for small messages: in a tight loop it is three quarters of the codec's
+time on a 16 KiB decode step's frame and a sixth on a 256 KiB prompt's. In a swarm, where each
+step's compute leaves the codec's tables cold, a 16 KiB frame took about 6x its tight-loop CPU time,
+and figures learnt on decode steps, applied to prompts, kept them raw on links where compressing
+them paid (netbench, 250 Mbit/s: 15 % of bloombee-tiny's prompt step). So ``CompressionPolicy``
+keeps its figures per size class of message (powers of two): for each, an exponentially weighted
+average of ``r`` and the medians of recent ``1/C`` and ``1/D`` (`ByteCost`) from the encodes it
+makes and the decodes its receiver reports (the receiver's own speed of that class travels back in
+each step's route), takes ``B`` from the caller (the link speed the DHT records announce, the
 figure the planner models the hop with), and applies the rule per message. Use one policy per link.
-While it keeps choosing raw it still compresses one message in ``probe_every`` so that its estimates
-follow the traffic.
+While it keeps choosing raw for a class it still compresses one message of it in ``probe_every`` so
+that its estimates follow the traffic.
 
 Speeds are CPU time of the thread that encodes or decodes. Wall time on a busy machine also counts
 the waits for the interpreter lock and for a core (measured here: 16 KiB frames that take 50 us of
@@ -130,6 +131,26 @@ class Ewma:
         self.count += 1
 
 
+class SizeEstimates:
+    """What a policy has learnt about the messages of one size class: ratio, encode and decode speeds, and how many
+    of them in a row it has sent raw."""
+
+    def __init__(self, alpha: float, prior_ratio: float, prior_compress_speed: float, prior_decompress_speed: float):
+        self.ratio = Ewma(alpha, prior_ratio)
+        self.encode = ByteCost(ENCODE_CALL_S, prior_compress_speed)
+        self.decode = ByteCost(DECODE_CALL_S, prior_decompress_speed)
+        self.raw_streak = 0
+
+    def report(self) -> dict:
+        return {"ratio": self.ratio.value, "compress_speed": self.encode.speed, "decompress_speed": self.decode.speed,
+                "observations": {"encode": self.ratio.count, "decode": self.decode.count}}
+
+
+def size_class(num_bytes: int) -> int:
+    """The power-of-two range of a message of `num_bytes` bytes (16 KiB and 16-32 KiB are 15 and 16)."""
+    return max(int(num_bytes), 1).bit_length()
+
+
 class CompressionPolicy:
     """Per-link compress/raw decision.
 
@@ -164,31 +185,30 @@ class CompressionPolicy:
         self.min_bytes = min_bytes
         self.probe_every = probe_every
         self._lock = threading.Lock()
-        self._ratio = Ewma(alpha, prior_ratio)
-        self._encode = ByteCost(ENCODE_CALL_S, prior_compress_speed)
-        self._decode = ByteCost(DECODE_CALL_S, prior_decompress_speed)
+        self._priors = (alpha, prior_ratio, prior_compress_speed, prior_decompress_speed)
+        self._sizes: dict[int, SizeEstimates] = {}
         self._bandwidth = link_bandwidth
-        self._raw_streak = 0
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}
         self._last: Decision | None = None
 
     # ------------------------------------------------------------------ estimates
-    @property
-    def ratio(self) -> float:
-        return self._ratio.value
+    def _estimates(self, num_bytes: int) -> SizeEstimates:
+        key = size_class(num_bytes)
+        if key not in self._sizes:
+            self._sizes[key] = SizeEstimates(*self._priors)
+        return self._sizes[key]
 
-    @property
-    def compress_speed(self) -> float:
-        return self._encode.speed
+    def figures(self, num_bytes: int) -> tuple[float, float, float]:
+        """(ratio, encode speed, decode speed) the policy has for messages of `num_bytes` raw bytes."""
+        with self._lock:
+            estimates = self._estimates(num_bytes)
+            return estimates.ratio.value, estimates.encode.speed, estimates.decode.speed
 
-    @property
-    def decompress_speed(self) -> float:
-        return self._decode.speed
-
-    @property
-    def measured_decompress_speed(self) -> float | None:
-        """The receiver's decode speed once one has been observed or adopted, else None."""
-        return self.decompress_speed if self._decode.count else None
+    def measured_decompress_speed(self, num_bytes: int) -> float | None:
+        """The receiver's decode speed of messages of `num_bytes` once one has been observed or adopted, else None."""
+        with self._lock:
+            decode = self._estimates(num_bytes).decode
+            return decode.speed if decode.count else None
 
     @property
     def bandwidth(self) -> float | None:
@@ -212,7 +232,8 @@ class CompressionPolicy:
 
     def _decide(self, num_bytes: int) -> Decision:
         bw = self.bandwidth
-        r, c, dspeed = self.ratio, self.compress_speed, self.decompress_speed
+        estimates = self._estimates(num_bytes)
+        r, c, dspeed = estimates.ratio.value, estimates.encode.speed, estimates.decode.speed
         b_star = break_even_bandwidth(r, c, dspeed, num_bytes)
 
         def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
@@ -239,11 +260,11 @@ class CompressionPolicy:
         if bw is None:
             return decision(True, f"compress: link bandwidth unknown, assuming a slow link ({figures})")
         if bw < b_star:
-            self._raw_streak = 0
+            estimates.raw_streak = 0
             return decision(True, f"compress: link {_rate(bw)} < break-even ({figures})")
-        self._raw_streak += 1
-        if self.probe_every and self._raw_streak >= self.probe_every:
-            self._raw_streak = 0
+        estimates.raw_streak += 1
+        if self.probe_every and estimates.raw_streak >= self.probe_every:
+            estimates.raw_streak = 0
             return decision(True, f"compress (probe to refresh estimates): link {_rate(bw)} >= break-even ({figures})", True)
         return decision(False, f"raw: link {_rate(bw)} >= break-even ({figures})")
 
@@ -253,22 +274,24 @@ class CompressionPolicy:
         if raw_bytes <= 0 or encoded_bytes <= 0 or seconds < 0:
             return
         with self._lock:
-            self._ratio.update(raw_bytes / encoded_bytes)
-            self._encode.observe(raw_bytes, seconds)
+            estimates = self._estimates(raw_bytes)
+            estimates.ratio.update(raw_bytes / encoded_bytes)
+            estimates.encode.observe(raw_bytes, seconds)
 
     def observe_decode(self, raw_bytes: int, seconds: float) -> None:
         """Record one decode of a compressed frame: decoded size and CPU seconds (the call's own time is taken off)."""
         if raw_bytes <= 0 or seconds < 0:
             return
         with self._lock:
-            self._decode.observe(raw_bytes, seconds)
+            self._estimates(raw_bytes).decode.observe(raw_bytes, seconds)
 
-    def adopt_decompress_speed(self, speed: float) -> None:
-        """Take the receiver's own measured decode speed (raw bytes/s) in place of this policy's estimate."""
+    def adopt_decompress_speed(self, speed: float, num_bytes: int) -> None:
+        """Take the receiver's own measured decode speed (raw bytes/s) of messages of `num_bytes` in place of this
+        policy's estimate."""
         if speed <= 0:
             raise ValueError("decompress speed must be a positive number of bytes per second.")
         with self._lock:
-            self._decode.adopt(speed)
+            self._estimates(num_bytes).decode.adopt(speed)
 
     # ------------------------------------------------------------------ conveniences
     def encode(self, tensor: torch.Tensor, link_bandwidth: float | None = None) -> bytes:
@@ -288,19 +311,17 @@ class CompressionPolicy:
                 "mode": self.mode,
                 "layout": self.layout,
                 "last": asdict(self._last) if self._last else None,
-                "estimates": {
-                    "ratio": self.ratio,
-                    "compress_speed": self.compress_speed,
-                    "decompress_speed": self.decompress_speed,
-                    "bandwidth": self.bandwidth,
-                    "break_even_bandwidth": break_even_bandwidth(self.ratio, self.compress_speed, self.decompress_speed),
-                    "observations": {
-                        "encode": self._ratio.count,
-                        "decode": self._decode.count,
-                    },
-                },
+                "bandwidth": self.bandwidth,
+                "estimates": {f"< {_size(1 << key)}": self._sizes[key].report() for key in sorted(self._sizes)},
                 "counts": dict(self._counts),
             }
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:g} {unit}"
+    return f"{num_bytes} B"
 
 
 def _rate(bytes_per_s: float) -> str:

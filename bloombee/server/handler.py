@@ -207,24 +207,29 @@ class BlockServicer:
         return pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=message.step_id),
                     {"hidden": session.output_history[:, :end]}, self.reply_policy(session))
 
-    def push_policy(self, session: Session, hop: Hop) -> CompressionPolicy:
+    def push_policy(self, session: Session, hop: Hop, num_bytes: int) -> CompressionPolicy:
+        """The policy of the link to the next server, about to send it `num_bytes`."""
         bandwidth = min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
-        return self._policy(hop.peer_id, bandwidth, hop.codecs, session.compression, hop.decode_speed)
+        return self._policy(hop.peer_id, bandwidth, hop.codecs, session.compression, hop.decode_speed, num_bytes)
 
-    def reply_policy(self, session: Session, client_decode_speed: float | None = None) -> CompressionPolicy:
+    def reply_policy(self, session: Session, client_decode_speed: float | None = None,
+                     num_bytes: int = 0) -> CompressionPolicy:
+        """The policy of the link to the session's client, about to send it `num_bytes`."""
         bandwidth = min(self.link_bandwidth, session.client_bandwidth or self.link_bandwidth)
-        return self._policy(session.client_peer, bandwidth, session.reply_codecs, session.compression, client_decode_speed)
+        return self._policy(session.client_peer, bandwidth, session.reply_codecs, session.compression,
+                            client_decode_speed, num_bytes)
 
     def _policy(self, peer_id: str, bandwidth: float, accepted: tuple[str, ...], mode: str | None = None,
-                decode_speed: float | None = None) -> CompressionPolicy:
+                decode_speed: float | None = None, num_bytes: int = 0) -> CompressionPolicy:
         """One compression policy per link (peer) and mode (the session's, else this server's), refined by what this
-        server observes on it and by the receiver's decode speed when the step carries it."""
+        server observes on it and by the receiver's decode speed of messages of `num_bytes` when the step carries
+        it."""
         mode = mode or self.settings.compression
         key = peer_id if mode == self.settings.compression else f"{peer_id} ({mode})"
         if key not in self._policies:
             self._policies[key] = CompressionPolicy(mode, link_bandwidth=bandwidth, accepted=accepted or ("raw",))
         if decode_speed is not None:
-            self._policies[key].adopt_decompress_speed(decode_speed)
+            self._policies[key].adopt_decompress_speed(decode_speed, num_bytes)
         return self._policies[key]
 
     def link_reports(self) -> dict[str, dict]:

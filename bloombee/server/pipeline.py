@@ -288,8 +288,9 @@ class SessionPipeline:
             self.replies.put_nowait(self._ack(header, header.reports + (report,)))
             return
         servicer = self.servicer
-        policy = (servicer.push_policy(self.session, next_hop) if next_hop
-                  else servicer.reply_policy(self.session, header.reply_decode_speed))
+        num_bytes = max(tensor.nbytes for tensor in step.sent_on.values())  # the hidden states
+        policy = (servicer.push_policy(self.session, next_hop, num_bytes) if next_hop
+                  else servicer.reply_policy(self.session, header.reply_decode_speed, num_bytes))
         encode_at = time.time()
         encoded = await servicer.run_codec(encode_tensors, step.sent_on, policy)
         report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
