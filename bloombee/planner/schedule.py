@@ -15,10 +15,10 @@ sharing), which the simulation models when given the nodes' CPU shares and eq. 4
 each message also costs CPU at both ends of its hop (``CpuShare.message_ms``: kinds "send" and
 "receive"), taken in turns with the same process's compute (one interpreter) and shared with the
 host's other processes, and so does the share of a transfer that its ends' p2p stacks take
-(``CpuShare.stack_mbps``) while the message streams through them. A transfer into a node slows while that node's own
-uplink sends: the
-transfer's acknowledgements queue behind the outgoing message (``ack_slowdown``). netbench shows the
-simulation is the one that matches measurement, so the client's `micro_batches="auto"` decides with it.
+(``CpuShare.stack_mbps``) while the message streams through them. A transfer into a node slows
+while that node's own uplink sends: the transfer's acknowledgements queue behind the outgoing
+message (``ack_slowdown``). netbench shows the simulation is the one that matches measurement, so
+the client's `micro_batches="auto"` decides with it.
 """
 
 from __future__ import annotations
