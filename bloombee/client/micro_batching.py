@@ -67,8 +67,8 @@ class MicroBatchChooser:
         self.speeds = ComputeSpeeds()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        """M for one step (more micro-batches only where the model has them SPLIT_MARGIN faster); steps scored alike (`step_key`) reuse it while no server's measured speed moved by more
-        than SPEED_TOLERANCE since."""
+        """M for one step (more micro-batches only where the model has them SPLIT_MARGIN faster); steps scored alike
+        (`step_key`) reuse it while no server's measured speed moved by more than SPEED_TOLERANCE since."""
         key = step_key(spans, batch_size, num_tokens, context)
         sizes = {micro_batch_size(batch_size * num_tokens, m) for m in CANDIDATES if m <= batch_size}
         factors = [self.speeds.factor(node_name(span), size) for span in spans for size in sorted(sizes)]

@@ -193,21 +193,26 @@ class CompressionPolicy:
 
     # ------------------------------------------------------------------ estimates
     def _estimates(self, num_bytes: int) -> SizeEstimates:
+        """The size class of `num_bytes`, kept from now on (for reads: `_known`)."""
         key = size_class(num_bytes)
         if key not in self._sizes:
             self._sizes[key] = SizeEstimates(*self._priors)
         return self._sizes[key]
 
+    def _known(self, num_bytes: int) -> SizeEstimates:
+        """The size class of `num_bytes` as learnt so far (the priors for one not yet met), without keeping it."""
+        return self._sizes.get(size_class(num_bytes)) or SizeEstimates(*self._priors)
+
     def figures(self, num_bytes: int) -> tuple[float, float, float]:
         """(ratio, encode speed, decode speed) the policy has for messages of `num_bytes` raw bytes."""
         with self._lock:
-            estimates = self._estimates(num_bytes)
+            estimates = self._known(num_bytes)
             return estimates.ratio.value, estimates.encode.speed, estimates.decode.speed
 
     def measured_decompress_speed(self, num_bytes: int) -> float | None:
         """The receiver's decode speed of messages of `num_bytes` once one has been observed or adopted, else None."""
         with self._lock:
-            decode = self._estimates(num_bytes).decode
+            decode = self._known(num_bytes).decode
             return decode.speed if decode.count else None
 
     @property
