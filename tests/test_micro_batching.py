@@ -140,20 +140,23 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
 
 def test_a_servers_compute_takes_turns_with_the_messages_streaming_through_it():
     """On unshaped links a transfer is all p2p stack: while micro-batch 2 streams into s0, s0's compute of micro-batch
-    1 gets half its interpreter; where the stack is a tenth of the transfer (a slower link), 1/1.1 of it."""
+    1 takes turns with the interpreter's share of the stack (INTERPRETER_SHARE_OF_STACK, half), so gets 1/1.5 of its
+    interpreter; where the stack is a tenth of the transfer (a slower link), 1/1.05 of it."""
     from bloombee.client.micro_batching import STACK_MBPS, chain_inputs, through_stack
     from bloombee.planner import evaluate
-    from bloombee.planner.schedule import cpu_shares, simulate, streaming
+    from bloombee.planner.schedule import INTERPRETER_SHARE_OF_STACK, cpu_shares, simulate, streaming
 
+    assert INTERPRETER_SHARE_OF_STACK == 0.5
     model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
-    for link_mbps, expected in ((1e6, 0.5), (STACK_MBPS / 9, 1 / 1.1)):
+    for link_mbps, expected in ((1e6, 1 / 1.5), (STACK_MBPS / 9, 1 / 1.05)):
         nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}",
                   "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "message_ms": 0}} for i in range(2)]
         inputs = chain_inputs(model, nodes, [link_mbps] * 3, [3, 3], 32, 32, "float32", "off")
         evaluation = evaluate(inputs, [3, 3], 32, 2)
         into_s0 = evaluation.client_hop
         assert into_s0.bandwidth_mbps == pytest.approx(through_stack(link_mbps))
-        assert streaming([into_s0], cpu_shares(inputs)) == {"s0": pytest.approx(min(1.0, through_stack(link_mbps) / STACK_MBPS))}
+        stack_share = min(1.0, through_stack(link_mbps) / STACK_MBPS)
+        assert streaming([into_s0], cpu_shares(inputs)) == {"s0": pytest.approx(0.5 * stack_share)}
         intervals, _ = simulate(evaluation, cpu_shares(inputs))
         compute = next(i for i in intervals if i.row == "s0 compute" and i.micro_batch == 0)
         arriving = next(i for i in intervals if i.row == "client -> s0" and i.micro_batch == 1)

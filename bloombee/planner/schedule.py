@@ -36,6 +36,12 @@ from .inputs import CLIENT, CpuShare, PlanInputs
 # before; in the sweep that followed, every prompt step within 0.89-1.14)
 ACK_WINDOW_BYTES = 0.6e6
 
+# of the CPU time a message's bytes take at its ends (`CpuShare.stack_mbps`: the process and its p2p daemon together),
+# the share that takes turns with the process's compute; the rest is the daemon's, a process of its own. Fitted on
+# netbench's micro-batching sweeps: charging all of it put the pipeline model's split prompts at 20 Mbit/s... 1 Gbit/s
+# up to 1.21x their measured time, charging half brought every step of both sweeps within 0.82-1.19
+INTERPRETER_SHARE_OF_STACK = 0.5
+
 
 @dataclass
 class Interval:
@@ -157,13 +163,15 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
 
 def streaming(transfers: list[HopResult], cpus: Mapping[str, CpuShare]) -> dict[str, float]:
     """Node -> the share of its interpreter that the messages streaming through it take: of each running transfer
-    it sends or receives, the stack's share of the transfer's time (its rate over the node's `stack_mbps`)."""
+    it sends or receives, the stack's share of the transfer's time (its rate over the node's `stack_mbps`) times
+    INTERPRETER_SHARE_OF_STACK."""
     load: dict[str, float] = {}
     for hop in transfers:
         for node in (hop.src, hop.dst):
             share = cpus.get(node)
             if share is not None and share.stack_mbps > 0:
-                load[node] = load.get(node, 0.0) + min(1.0, hop.bandwidth_mbps / share.stack_mbps)
+                load[node] = load.get(node, 0.0) + INTERPRETER_SHARE_OF_STACK * min(
+                    1.0, hop.bandwidth_mbps / share.stack_mbps)
     return load
 
 
