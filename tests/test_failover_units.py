@@ -5,7 +5,7 @@ from test_swarm_units import record
 
 from bloombee.client.deadlines import StepClock
 from bloombee.client.routing import Span
-from bloombee.client.session import StepShape, record_shape, shapes_before
+from bloombee.client.steps import StepShape, record_shape, shapes_before
 from bloombee.settings import ClientSettings
 
 

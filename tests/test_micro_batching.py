@@ -8,7 +8,8 @@ from transformers import LlamaConfig
 
 from bloombee.client.micro_batching import MicroBatchChooser, predicted_step_s
 from bloombee.client.routing import Span
-from bloombee.client.session import InferenceSession, split_rows
+from bloombee.client.session import InferenceSession
+from bloombee.client.steps import split_rows
 from bloombee.client.spans import SpanStream
 from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState
