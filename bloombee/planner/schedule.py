@@ -38,8 +38,9 @@ ACK_WINDOW_BYTES = 0.6e6
 
 # of the CPU time a message's bytes take at its ends (`CpuShare.stack_mbps`: the process and its p2p daemon together),
 # the share that takes turns with the process's compute; the rest is the daemon's, a process of its own. Fitted on
-# netbench's micro-batching sweeps: charging all of it put the pipeline model's split prompts at 20 Mbit/s... 1 Gbit/s
-# up to 1.21x their measured time, charging half brought every step of both sweeps within 0.82-1.19
+# netbench's micro-batching sweeps: charging all of it put one of the pipeline model's split prompts at 1.21x its
+# measured time, charging half brought every step of both sweeps within 0.82-1.19 (in the sweeps that followed,
+# 0.81-1.20)
 INTERPRETER_SHARE_OF_STACK = 0.5
 
 
