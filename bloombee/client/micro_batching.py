@@ -35,10 +35,11 @@ MESSAGE_OVERHEAD_MS = 0.2
 # taken in turns with that process's compute (one interpreter) and shared with the host's other processes; fitted on
 # netbench's bloombee-tiny and pipeline sweeps, where steps of M micro-batches grew by about this much per message
 MESSAGE_CPU_MS = 0.8
-# cores of a CPU host that its p2p daemons, DHT peers and event loops keep busy while its servers compute at once:
-# fitted on netbench's pipeline and bloombee-tiny sweeps, where two or three single-thread servers computing together
-# on two cores each ran 1.13-1.31x and 1.54-1.80x slower than alone (an even share of two cores: 1.0x and 1.5x)
-HOST_BUSY_CORES = 0.4
+# cores of a CPU host that its DHT peers and event loops keep busy while its servers compute at once, besides the
+# daemons' share of each message (`schedule.DAEMON_CORES_PER_MESSAGE`): fitted on netbench's micro-batching sweeps
+# together with that share (0.4 without it had the pipeline model's split prompts 1.08-1.20x their measured time and
+# bloombee-tiny's 0.81-0.9x; with both, every step of both sweeps within 0.82-1.18)
+HOST_BUSY_CORES = 0.2
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
 # activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, the
 # prompt steps of netbench's pipeline sweep came within 20 % of their measured time in 43 of 44 cells (the slower of

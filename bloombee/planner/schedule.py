@@ -43,6 +43,12 @@ ACK_WINDOW_BYTES = 0.6e6
 # 0.81-1.20)
 INTERPRETER_SHARE_OF_STACK = 0.5
 
+# cores of its host that a process's p2p daemon takes while that process handles a message (`CpuShare.message_ms`):
+# the daemon frames and moves the same message in a process of its own. Fitted on netbench's micro-batching sweeps,
+# whose servers computed two prompt micro-batches at once at 1.00-1.07x their CPU time on the pipeline model (few large
+# messages) and at 1.2x on bloombee-tiny (many small ones), which one constant load on the host could not both match
+DAEMON_CORES_PER_MESSAGE = 0.5
+
 
 @dataclass
 class Interval:
@@ -150,6 +156,9 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
     per_host: dict[str, int] = {}
     for node in {node for node in users.values() if node is not None}:
         per_host[cpus[node].host] = per_host.get(cpus[node].host, 0) + cpus[node].threads
+    for key, node in users.items():
+        if node is not None and tasks[key[0]][key[1]][1] in ("send", "receive"):
+            per_host[cpus[node].host] += DAEMON_CORES_PER_MESSAGE
     rates = {}
     for key, node in users.items():
         if node is None:
