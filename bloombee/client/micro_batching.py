@@ -38,7 +38,8 @@ MESSAGE_CPU_MS = 0.8
 # cores of a CPU host that its DHT peers and event loops keep busy while its servers compute at once, besides the
 # daemons' share of each message (`schedule.DAEMON_CORES_PER_MESSAGE`): fitted on netbench's micro-batching sweeps
 # together with that share (0.4 without it had the pipeline model's split prompts 1.08-1.20x their measured time and
-# bloombee-tiny's 0.81-0.9x; with both, every step of both sweeps within 0.82-1.18)
+# bloombee-tiny's 0.81-0.9x; with both, the records of those sweeps re-predict within 0.82-1.18, and the sweeps run
+# with both had 6 of 176 cells outside 20 %, which the model without them re-predicts outside too)
 HOST_BUSY_CORES = 0.2
 # what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
 # activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, the

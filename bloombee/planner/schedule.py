@@ -145,7 +145,8 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
     """Progress per second of each running task. CPU work (compute, message handling, the stack's share of a
     message streaming through: `streaming`) of one process shares its threads (one interpreter: they take turns),
     and the processes of one host share the cores its other processes leave free (`CpuShare.busy_cores`, at least
-    one); a transfer runs at full speed unless its receiver's uplink is sending (`ack_slowdown`)."""
+    one) with the p2p daemon of each process handling a message (DAEMON_CORES_PER_MESSAGE); a transfer runs at full
+    speed unless its receiver's uplink is sending (`ack_slowdown`)."""
     transfers = [hops[tasks[mb][k][0]] for mb, k in active if tasks[mb][k][1] == "transfer"]
     sending = {hop.src: hop for hop in transfers}
     users = {key: _cpu_user(tasks[key[0]][key[1]], cpus) for key in active}
@@ -153,11 +154,11 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
     for node in users.values():
         if node is not None:
             per_process[node] = per_process.get(node, 0.0) + 1
-    per_host: dict[str, int] = {}
+    per_host: dict[str, float] = {}
     for node in {node for node in users.values() if node is not None}:
         per_host[cpus[node].host] = per_host.get(cpus[node].host, 0) + cpus[node].threads
-    for key, node in users.items():
-        if node is not None and tasks[key[0]][key[1]][1] in ("send", "receive"):
+    for (mb, k), node in users.items():
+        if node is not None and tasks[mb][k][1] in ("send", "receive"):
             per_host[cpus[node].host] += DAEMON_CORES_PER_MESSAGE
     rates = {}
     for key, node in users.items():
