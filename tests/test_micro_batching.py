@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from bloombee.client.micro_batching import MicroBatchChooser, predicted_step_s
 from bloombee.client.routing import Span
 from bloombee.client.session import InferenceSession
-from bloombee.client.steps import split_rows
+from bloombee.client.steps import StepStats, split_rows
 from bloombee.client.spans import SpanStream
 from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState
@@ -39,6 +39,11 @@ def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL
 def reports(compute_s: list[float]) -> list[HopReport]:
     """Hop reports of servers that computed for these seconds (wall and CPU time alike)."""
     return [HopReport(compute_s=seconds, compute_cpu_s=seconds) for seconds in compute_s]
+
+
+def step_of(compute_s: list[float]) -> StepStats:
+    """A whole step whose servers computed for these seconds."""
+    return StepStats(reports=reports(compute_s))
 
 
 def chain(mbps: float, mlp_ms: tuple[float, float, float] | None = (10.0, 30.0, 110.0)) -> list[Span]:
@@ -112,7 +117,7 @@ def test_auto_takes_the_plans_micro_batches_for_the_batch_it_planned():
 
 
 def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_compute():
-    from bloombee.client.micro_batching import MESSAGE_CPU_MS, chain_inputs
+    from bloombee.client.micro_batching import CLIENT_MESSAGE_CPU_MS, MESSAGE_CPU_MS, chain_inputs
     from bloombee.planner import evaluate
     from bloombee.planner.schedule import cpu_shares, simulate
 
@@ -129,7 +134,8 @@ def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_comp
     client = {"host": "c", "threads": 1, "cores": 2, "stack_mbps": 0}
     _, without = schedule(1, None, with_cpu=False)
     _, charged = schedule(1, client)
-    assert charged - without == pytest.approx(4 * 2 * MESSAGE_CPU_MS * 1e-3)  # 4 hops, a sender and a receiver each
+    # 4 hops, a sender and a receiver each: the servers' 6 messages and the client's 2
+    assert charged - without == pytest.approx((6 * MESSAGE_CPU_MS + 2 * CLIENT_MESSAGE_CPU_MS) * 1e-3)
     intervals, _ = schedule(2, client)
     first = next(i for i in intervals if i.row == "s0 compute" and i.micro_batch == 0)
     second_arrives = next(i for i in intervals if i.row == "s0 receive" and i.micro_batch == 1)
@@ -207,11 +213,11 @@ def test_measured_compute_speeds_scale_each_servers_cost_table():
 
     table = computes(choose.chain_inputs(spans, 32, 32))
     before = choose.step_seconds(spans, 32, 1, 32, 1)
-    choose.observe(spans, 32, 1, 32, 1, reports([table[0], 2 * table[1], table[2]]))
+    choose.observe(spans, 32, 1, 32, step_of([table[0], 2 * table[1], table[2]]))
     assert computes(choose.chain_inputs(spans, 32, 32, 32)) == pytest.approx([table[0], 2 * table[1], table[2]])
     assert choose.step_seconds(spans, 32, 1, 32, 1) == pytest.approx(before + table[1])
     assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx(table)  # the tables as announced
-    choose.observe(spans, 32, 1, 32, 1, reports(table))
+    choose.observe(spans, 32, 1, 32, step_of(table))
     assert computes(choose.chain_inputs(spans, 32, 32, 32))[1] == pytest.approx((2 - SPEED_WEIGHT) * table[1])
 
 
@@ -246,7 +252,7 @@ def test_a_single_threaded_cpu_server_is_judged_by_its_compute_threads_cpu_time(
 
     table = computes(choose.chain_inputs(spans, 32, 32))
     cpu = [table[0], 2 * table[1], table[2]]
-    choose.observe(spans, 32, 1, 32, 1, [HopReport(compute_s=3 * t, compute_cpu_s=t) for t in cpu])
+    choose.observe(spans, 32, 1, 32, StepStats(reports=[HopReport(compute_s=3 * t, compute_cpu_s=t) for t in cpu]))
     assert computes(choose.chain_inputs(spans, 32, 32, 32)) == pytest.approx(cpu)
 
 
@@ -266,7 +272,7 @@ def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatc
 
     assert choose(spans, 32, 1, 32) == best() == 4
     table = [stage.t_comp_s for stage in evaluate(choose.chain_inputs(spans, 32, 32), [2, 2, 2], 32, 1).active_stages]
-    choose.observe(spans, 32, 1, 32, 1, reports([10 * t for t in table]))
+    choose.observe(spans, 32, 1, 32, step_of([10 * t for t in table]))
     assert choose(spans, 32, 1, 32) == best() == 2
 
 
@@ -302,3 +308,38 @@ def test_more_micro_batches_only_where_the_model_has_them_clearly_faster():
     assert chooser({1: 1.0, 2: slightly, 4: 1.2})(spans, 32, 16, 16) == 1
     assert chooser({1: 1.0, 2: 0.9, 4: 0.9 * slightly, 8: 1.0})(spans, 32, 16, 16) == 2
     assert chooser({1: 1.0, 2: slightly, 4: 0.8, 8: 0.9})(spans, 32, 16, 16) == 4
+
+
+def test_codec_figures_are_what_the_sessions_messages_measured():
+    """The client's embeddings compress 2x where the profile says 1.1x, and a server's encodes and decodes run at
+    their own speeds: the chain's inputs carry those figures at the size measured (the nearest size standing in for
+    others), the profile's before any compressed message, and raw messages teach nothing."""
+    from bloombee.client.micro_batching import CodecFigures
+    from bloombee.codec.policy import DECODE_CALL_S, ENCODE_CALL_S
+    from bloombee.planner.inputs import CLIENT
+
+    choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="on")
+    spans = chain(20.0)
+    announced = choose.chain_inputs(spans, 32, 32, 32)
+    assert announced.client.compression.ratio == announced.nodes[0].compression.ratio == 1.1
+    raw_bytes = 32 * CONFIG.hidden_size * 4
+    compressed = [HopReport(layout="bytesplit", raw_bytes=raw_bytes, wire_bytes=raw_bytes // 1.25,
+                            encode_s=ENCODE_CALL_S + raw_bytes / 100e6, decode_cpu_s=DECODE_CALL_S + raw_bytes / 50e6)
+                  for _ in spans]
+    raw = [HopReport(raw_bytes=raw_bytes, wire_bytes=raw_bytes) for _ in spans]
+    choose.observe(spans, 32, 1, 32, StepStats(client_layout="raw", sent_raw_bytes=raw_bytes, sent_wire_bytes=raw_bytes,
+                                               reports=raw, micro_batch_reports=[raw]))
+    assert choose.chain_inputs(spans, 32, 32, 32) == announced
+    choose.observe(spans, 32, 1, 32, StepStats(
+        client_layout="bytesplit", sent_raw_bytes=raw_bytes, sent_wire_bytes=raw_bytes // 2,
+        client_encode_s=ENCODE_CALL_S + raw_bytes / 200e6, reports=compressed, micro_batch_reports=[compressed]))
+    for rows in (32, 8):  # measured at 32 rows; 8 rows have no figures of their own yet
+        inputs = choose.chain_inputs(spans, 32, 32, rows)
+        assert (inputs.client.compression.ratio, inputs.client.compression.compress_mb_per_s) == \
+            pytest.approx((2.0, 200.0))
+        assert inputs.client.compression.decompress_mb_per_s == 1000.0  # the client's decodes are not reported
+        first, second = inputs.nodes[0].compression, inputs.nodes[1].compression
+        assert (first.ratio, first.compress_mb_per_s) == pytest.approx((1.25, 100.0), rel=1e-3)
+        assert second.decompress_mb_per_s == pytest.approx(50.0)  # it decoded the first server's messages
+        assert first.decompress_mb_per_s == pytest.approx(50.0)  # ... and the first decoded the client's
+    assert CodecFigures().measured(CLIENT, None, 32) is None

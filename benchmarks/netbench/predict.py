@@ -1,10 +1,10 @@
 """The planner's predicted step time for each measured step, beside the measurement.
 
 For every step of a run the chain's servers' announced profiles (per-block cost tables, codec
-figures) scaled by their compute speeds measured in the run's earlier steps, the hops' true shaped
-rates and the step's own micro-batch count go through the same code the client's
-`micro_batches="auto"` uses (`bloombee.client.micro_batching.chain_inputs`, `ComputeSpeeds` and
-the planner's `evaluate` / `schedule.simulate`). Both of the planner's estimates are kept: its
+figures) with their compute speeds and codec figures measured in the run's earlier steps, the hops'
+true shaped rates and the step's own micro-batch count go through the same code the client's
+`micro_batches="auto"` uses (`bloombee.client.micro_batching.chain_inputs`, `ComputeSpeeds`,
+`CodecFigures` and the planner's `evaluate` / `schedule.simulate`). Both of the planner's estimates are kept: its
 closed form (eq. 4) and its event simulation.
 """
 
@@ -26,11 +26,12 @@ def _model_section(model_path: str) -> dict:
     return model_section_from_config(load_model_config(model_path))
 
 
-def step_prediction(record: dict, step: dict, context: int, speeds) -> dict[str, float] | None:
-    """Closed-form and simulated seconds of one step's chain as the planner predicts it, at the servers' speeds
-    measured in the record's earlier steps (None without profiles); then the step's own reports update `speeds`
-    (`ComputeSpeeds`), as the client's own steps update its model."""
+def step_prediction(record: dict, step: dict, context: int, speeds, codecs) -> dict[str, float] | None:
+    """Closed-form and simulated seconds of one step's chain as the planner predicts it, at the servers' speeds and
+    codec figures measured in the record's earlier steps (None without profiles); then the step's own reports update
+    `speeds` (`ComputeSpeeds`) and `codecs` (`CodecFigures`), as the client's own steps update its model."""
     from bloombee.client.micro_batching import measured_compute, modelled_compute, predicted_times
+    from bloombee.client.steps import StepStats
     from bloombee.planner.costs import micro_batch_size
     from bloombee.protocol import HopReport
 
@@ -39,46 +40,54 @@ def step_prediction(record: dict, step: dict, context: int, speeds) -> dict[str,
     assignment = [span["end"] - span["start"] for span in record["chain"]]
     rows, micro_batches = step["batch"] * step["tokens"], step.get("micro_batches", 1)
     size = micro_batch_size(rows, micro_batches)
-    figures = predicted_times(_inputs(record, step, context, speeds, size), assignment, rows, micro_batches)
+    figures = predicted_times(_inputs(record, step, context, speeds, codecs, size), assignment, rows, micro_batches)
     reports = step.get("reports") or []
     if len(reports) == len(assignment):
         inputs = _inputs(record, step, context)
+        codecs.observe([node.name for node in inputs.nodes], size, StepStats(
+            client_encode_s=step["client_encode_s"], client_layout=step["client_layout"],
+            sent_raw_bytes=step["sent_raw_bytes"], sent_wire_bytes=step["sent_wire_bytes"], micro_batches=micro_batches,
+            micro_batch_reports=[[HopReport.model_validate(report) for report in micro_batch]
+                                 for micro_batch in step["micro_batch_reports"]]))
         speeds.observe(modelled_compute(inputs, assignment, rows, micro_batches), [node.name for node in inputs.nodes],
                        measured_compute(inputs, [HopReport.model_validate(report) for report in reports]), size)
     return figures
 
 
-def _inputs(record: dict, step: dict, context: int, speeds=None, micro_batch_rows: int = 0):
-    """The planner's inputs of the record's chain for `step`; with `speeds`, its cost tables scaled by them at
-    micro-batches of `micro_batch_rows` rows."""
+def _inputs(record: dict, step: dict, context: int, speeds=None, codecs=None, micro_batch_rows: int = 0):
+    """The planner's inputs of the record's chain for `step`; with `speeds` and `codecs`, its cost tables scaled by
+    the one and its codecs' figures replaced by the other's at micro-batches of `micro_batch_rows` rows."""
     from bloombee.client.micro_batching import chain_inputs
+    from bloombee.planner.inputs import CLIENT
 
     chain = record["chain"]
     nodes = [{**span["profile"], "name": f"{span['name']}:{span['start']}", "offload": span.get("offload")}
              for span in chain]
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
     tokens = step["tokens"]
+    client_codec = nodes[0].get("compression")
     if speeds is not None:
-        nodes = speeds.scaled(nodes, micro_batch_rows)
+        nodes = codecs.applied(speeds.scaled(nodes, micro_batch_rows), micro_batch_rows)
+        client_codec = codecs.measured(CLIENT, client_codec, micro_batch_rows)
     return chain_inputs(_model_section(record["model_path"]), nodes, hops,
                         [span["end"] - span["start"] for span in chain], step["batch"] * tokens,
                         -(-context // tokens), chain[0]["dtype"], record["client_settings"].get("compression", "auto"),
-                        hop_mbps=hops, client_cpu=record["client_cpu"])
+                        hop_mbps=hops, client_cpu=record["client_cpu"], client_codec=client_codec)
 
 
 def predictions(record: dict) -> dict[str, Any]:
     """Median predicted (closed form, simulated) and measured chain seconds of the decode and prefill steps, each
     step predicted from the record's earlier ones (the servers' measured compute speeds)."""
-    from bloombee.client.micro_batching import ComputeSpeeds
+    from bloombee.client.micro_batching import CodecFigures, ComputeSpeeds
 
     predicted: dict[str, list] = {"prefill": [], "decode": []}
     measured: dict[str, list] = {"prefill": [], "decode": []}
-    speeds = ComputeSpeeds()
+    speeds, codecs = ComputeSpeeds(), CodecFigures()
     for rep in record["repeats"]:
         context = 0
         for step in rep["steps"]:
             context += step["tokens"]
-            figures = step_prediction(record, step, context, speeds)
+            figures = step_prediction(record, step, context, speeds, codecs)
             if figures is None:
                 return {}
             predicted[step["kind"]].append(figures)

@@ -8,7 +8,8 @@ with the planner's own step model and event simulation (`bloombee.planner.evalua
 takes the fastest. A step of T tokens per row is scored as a decode
 step of B x T rows (compute and activation bytes both scale with the tokens of a micro-batch).
 Each step's hop reports then tell how fast every server really computed against its table
-(`ComputeSpeeds`), and the next steps are scored at those speeds.
+(`ComputeSpeeds`) and what its codec really did with the session's messages (`CodecFigures`), and
+the next steps are scored with those.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from collections.abc import Sequence
 import torch
 
 from bloombee.client.routing import Span
+from bloombee.client.steps import StepStats
+from bloombee.codec.policy import SizeEstimates
 from bloombee.host import cpu_share
 from bloombee.protocol import HopReport
 from bloombee.planner import NodeSpec, PlanInputs, evaluate
 from bloombee.planner.costs import micro_batch_size
+from bloombee.planner.inputs import CLIENT
 from bloombee.planner.model_config import model_section_from_config
 from bloombee.planner.schedule import cpu_shares, simulate
 
@@ -35,6 +39,10 @@ MESSAGE_OVERHEAD_MS = 0.2
 # taken in turns with that process's compute (one interpreter) and shared with the host's other processes; fitted on
 # netbench's bloombee-tiny and pipeline sweeps, where steps of M micro-batches grew by about this much per message
 MESSAGE_CPU_MS = 0.8
+# the same for the client, whose process does nothing else while it sends a step or takes its output: netbench's
+# unsplit steps on an unshaped link took 0.9-1.2 ms (bloombee-tiny) and 2.4-2.8 ms (the pipeline model) less on the
+# client's two hops than on the hops between servers, which the servers' pipeline stages hand on between threads
+CLIENT_MESSAGE_CPU_MS = 0.4
 # cores of a CPU host that its DHT peers and event loops keep busy while its servers compute at once, besides the
 # daemons' share of each message (`schedule.DAEMON_CORES_PER_MESSAGE`): fitted on netbench's micro-batching sweeps
 # together with that share (0.4 without it had the pipeline model's split prompts 1.08-1.20x their measured time and
@@ -48,6 +56,7 @@ HOST_BUSY_CORES = 0.2
 STACK_MBPS = 700.0
 # weight of a step in each server's measured compute speed (its reported compute time against the model's)
 SPEED_WEIGHT = 0.3
+RATIO_WEIGHT = 0.2  # weight of a message in a codec's measured ratio
 # more micro-batches are chosen only where the model has them this much faster: within its error (netbench: whole
 # prompts on fast links predicted up to 1.12x their time, split ones down to 0.87x) a split that gains less does not
 # pay for its extra messages
@@ -67,6 +76,7 @@ class MicroBatchChooser:
         self._chosen: dict[tuple, tuple[int, list[float]]] = {}  # step key -> (M, the speeds it was chosen at)
         self._modelled: dict[tuple, tuple[dict[str, float], PlanInputs]] = {}  # step key and M -> modelled compute
         self.speeds = ComputeSpeeds()
+        self.codecs = CodecFigures()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
         """M for one step (more micro-batches only where the model has them SPLIT_MARGIN faster); steps scored alike
@@ -103,10 +113,11 @@ class MicroBatchChooser:
             return None
         return predicted_step_s(inputs, [span.end - span.start for span in spans], rows, micro_batches)
 
-    def observe(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int, micro_batches: int,
-                reports: Sequence[HopReport]) -> None:
-        """Learn the servers' compute speeds from a step they served: `reports`, each one's hop report (summed over
-        its micro-batches)."""
+    def observe(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int, step: StepStats) -> None:
+        """Learn the servers' compute speeds and the codecs' figures from a step they served."""
+        micro_batches, reports = step.micro_batches, step.reports
+        rows = micro_batch_size(batch_size * num_tokens, micro_batches)
+        self.codecs.observe([node_name(span) for span in spans], rows, step)
         key = (step_key(spans, batch_size, num_tokens, context), micro_batches)
         if key not in self._modelled:
             inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
@@ -117,13 +128,13 @@ class MicroBatchChooser:
             self._modelled[key] = (modelled_compute(inputs, [span.end - span.start for span in spans],
                                                     batch_size * num_tokens, micro_batches), inputs)
         modelled, inputs = self._modelled[key]
-        self.speeds.observe(modelled, [node.name for node in inputs.nodes], measured_compute(inputs, reports),
-                            micro_batch_size(batch_size * num_tokens, micro_batches))
+        self.speeds.observe(modelled, [node.name for node in inputs.nodes], measured_compute(inputs, reports), rows)
 
     def chain_inputs(self, spans: Sequence[Span], rows: int, context: int,
                      micro_batch_rows: int | None = None) -> PlanInputs | None:
         """The planner's inputs for this chain (with `micro_batch_rows`, each server's cost table scaled by its
-        measured speed at micro-batches of that many rows), or None when a server announces no profile."""
+        measured speed and each codec's figures as measured at micro-batches of that many rows), or None when a
+        server announces no profile."""
         missing = [span.peer_id for span in spans if span.record.profile is None]
         if missing:
             new = set(missing) - self._unprofiled
@@ -133,11 +144,14 @@ class MicroBatchChooser:
                                "are not split", ", ".join(sorted(new)))
             return None
         nodes = [{**span.record.profile, "name": node_name(span), "offload": span.record.offload} for span in spans]
+        client_codec = nodes[0].get("compression")  # the client runs the same codec: the first server's stand in
         if micro_batch_rows is not None:
-            nodes = self.speeds.scaled(nodes, micro_batch_rows)
+            nodes = self.codecs.applied(self.speeds.scaled(nodes, micro_batch_rows), micro_batch_rows)
+            client_codec = self.codecs.measured(CLIENT, client_codec, micro_batch_rows)
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
-                            spans[0].record.dtype, self.compression, client_cpu=client_cpu_share())
+                            spans[0].record.dtype, self.compression, client_cpu=client_cpu_share(),
+                            client_codec=client_codec)
 
 
 class ComputeSpeeds:
@@ -177,6 +191,63 @@ class ComputeSpeeds:
                 key = (name, size_range(rows))
                 old = self._factors.get(key)
                 self._factors[key] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+
+
+class CodecFigures:
+    """Each machine's codec as the session's own messages measure it, for micro-batches of each size (rows, in
+    power-of-two ranges): the ratio its encodes reach and their speed, and the speed of its decodes. A profile's
+    figures come from one message size of other data: on netbench's bloombee-tiny runs the client's embeddings
+    compressed 1.9-2.0x against the profile's 1.47, and a 256 KiB prompt took half its profiled encode time while a
+    16 KiB decode step took twice. Until a size range is measured, the nearest measured one stands in, and the
+    profile before any."""
+
+    def __init__(self):
+        self._sizes: dict[tuple[str, int], SizeEstimates] = {}  # (machine, size range) -> what its codec did
+
+    def observe(self, names: Sequence[str], rows: int, step: StepStats) -> None:
+        """Fold in one step of micro-batches of `rows` rows through the servers `names` (the client's encodes, each
+        server's encode and decode as its reports time them)."""
+        size = size_range(rows)
+        if step.client_layout != "raw" and step.sent_wire_bytes:
+            messages = step.micro_batches
+            self._encoded(CLIENT, size, step.sent_raw_bytes / messages, step.sent_wire_bytes / messages,
+                          step.client_encode_s / messages)
+        for reports in step.micro_batch_reports:
+            incoming = [step.client_layout] + [report.layout for report in reports]
+            for name, report, layout in zip(names, reports, incoming):
+                if report.layout != "raw":
+                    self._encoded(name, size, report.raw_bytes, report.wire_bytes, report.encode_s)
+                if layout != "raw" and report.decode_cpu_s > 0:
+                    self._estimates(name, size).decode.observe(report.raw_bytes, report.decode_cpu_s)
+
+    def measured(self, name: str, codec: dict | None, rows: int) -> dict | None:
+        """A planner compression dict (a profile's `codec`) with what machine `name` measured at `rows` rows."""
+        if codec is None:
+            return None
+        ranges = [size for machine, size in self._sizes if machine == name]
+        if not ranges:
+            return codec
+        wanted = size_range(rows)
+        estimates = self._sizes[(name, min(ranges, key=lambda size: (abs(size - wanted), size)))]
+        measured = {"ratio": estimates.ratio.value, "compress_mb_per_s": estimates.encode.speed,
+                    "decompress_mb_per_s": estimates.decode.speed}
+        return codec | {key: value / 1e6 if key.endswith("_per_s") else value
+                        for key, value in measured.items() if value is not None}
+
+    def applied(self, nodes: list[dict], rows: int) -> list[dict]:
+        """The planner node dicts with each codec's figures as measured at `rows` rows."""
+        return [{**node, "compression": self.measured(node["name"], node.get("compression"), rows)} for node in nodes]
+
+    def _encoded(self, name: str, size: int, raw_bytes: float, wire_bytes: float, seconds: float) -> None:
+        estimates = self._estimates(name, size)
+        estimates.ratio.update(raw_bytes / wire_bytes)
+        estimates.encode.observe(raw_bytes, seconds)
+
+    def _estimates(self, name: str, size: int) -> SizeEstimates:
+        key = (name, size)
+        if key not in self._sizes:
+            self._sizes[key] = SizeEstimates(RATIO_WEIGHT, None, None, None)
+        return self._sizes[key]
 
 
 def size_range(rows: int) -> int:
@@ -240,25 +311,26 @@ def step_key(spans: Sequence[Span], batch_size: int, num_tokens: int, context: i
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
                  dtype: str, compression: str, hop_mbps: Sequence[float] | None = None,
-                 client_cpu: dict | None = None) -> PlanInputs:
+                 client_cpu: dict | None = None, client_codec: dict | None = None) -> PlanInputs:
     """Planner inputs of a chain of `nodes` (planner node dicts without links) holding `blocks` blocks each.
 
     `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
     last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
     `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
+    `client_codec`: the client's codec figures (without, it has none).
     Every process on a CPU (the nodes that announce a CPU share, and the client when `client_cpu` gives
-    its own) spends MESSAGE_CPU_MS of that CPU on each message it sends or receives, and their host has
-    HOST_BUSY_CORES of its cores fewer for their compute.
+    its own) spends MESSAGE_CPU_MS of that CPU (the client CLIENT_MESSAGE_CPU_MS) on each message it sends or
+    receives, and their host has HOST_BUSY_CORES of its cores fewer for their compute.
     """
     names = [node["name"] for node in nodes]
     overrides = [] if hop_mbps is None else [
         {"src": src, "dst": dst, "bandwidth_mbps": through_stack(mbps)}
         for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
     client = {"link": link(links_mbps[0])}
-    if nodes[0].get("compression") is not None:  # the client runs the same codec; the first server's figures stand in
-        client["compression"] = nodes[0]["compression"]
+    if client_codec is not None:
+        client["compression"] = client_codec
     if client_cpu is not None:
-        client["cpu"] = with_host_costs(client_cpu)
+        client["cpu"] = with_host_costs({"message_ms": CLIENT_MESSAGE_CPU_MS, **client_cpu})
     return PlanInputs.model_validate({
         "model": model | {"num_blocks": sum(blocks)},
         "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),

@@ -172,7 +172,7 @@ class InferenceSession:
             self.shapes = record_shape(self.shapes, StepShape(start, num_tokens, tuple(parts)))
             if self.verifier.enabled:
                 await self._verify(start + num_tokens, joined(outputs, parts))
-            self._learn_compute_speeds(num_tokens, start + num_tokens, len(parts))
+            self._learn_chain_figures(num_tokens, start + num_tokens)
 
         outputs, parts = await self._with_retries(start, num_tokens, parts_of, check)
         self.position = start + num_tokens
@@ -369,11 +369,12 @@ class InferenceSession:
         return self.choose_micro_batches.step_seconds(self.spans, self.batch_size, num_tokens, context,
                                                       self.micro_batches_for(self.streams, num_tokens, context))
 
-    def _learn_compute_speeds(self, num_tokens: int, context: int, micro_batches: int) -> None:
-        """Each server's report of the last step times its compute: feed that to the planner's model of the chain."""
+    def _learn_chain_figures(self, num_tokens: int, context: int) -> None:
+        """Each server's report of the last step times its compute and its codec: feed that to the planner's model of
+        the chain."""
         reports = self.last_step.reports
         if len(reports) == len(self.streams) and all(stream.span.record.profile for stream in self.streams):
-            self.choose_micro_batches.observe(self.spans, self.batch_size, num_tokens, context, micro_batches, reports)
+            self.choose_micro_batches.observe(self.spans, self.batch_size, num_tokens, context, self.last_step)
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:
         return self.policy_for(stream.span.peer_id, stream.span.record)
