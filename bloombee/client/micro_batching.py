@@ -171,10 +171,7 @@ class ComputeSpeeds:
         """Measured over modelled compute time of node `name` at micro-batches of `rows` rows: from the nearest size
         range it has computed (1.0 before any step)."""
         ranges = [size for node, size in self._factors if node == name]
-        if not ranges:
-            return 1.0
-        wanted = size_range(rows)
-        return self._factors[(name, min(ranges, key=lambda size: (abs(size - wanted), size)))]
+        return self._factors[(name, nearest_range(ranges, rows))] if ranges else 1.0
 
     def scaled(self, nodes: list[dict], rows: int) -> list[dict]:
         """The planner node dicts with each cost table, and on a CPU the cost of a message, scaled by its node's
@@ -227,8 +224,7 @@ class CodecFigures:
         ranges = [size for machine, size in self._sizes if machine == name]
         if not ranges:
             return codec
-        wanted = size_range(rows)
-        estimates = self._sizes[(name, min(ranges, key=lambda size: (abs(size - wanted), size)))]
+        estimates = self._sizes[(name, nearest_range(ranges, rows))]
         measured = {"ratio": estimates.ratio.value, "compress_mb_per_s": estimates.encode.speed,
                     "decompress_mb_per_s": estimates.decode.speed}
         return codec | {key: value / 1e6 if key.endswith("_per_s") else value
@@ -253,6 +249,12 @@ class CodecFigures:
 def size_range(rows: int) -> int:
     """The power-of-two range of a micro-batch of `rows` rows: 1, 2-3, 4-7, ... are 1, 2, 3, ..."""
     return max(rows, 1).bit_length()
+
+
+def nearest_range(ranges: Sequence[int], rows: int) -> int:
+    """Of `ranges` (size ranges), the nearest to micro-batches of `rows` rows (the smaller of two as near)."""
+    wanted = size_range(rows)
+    return min(ranges, key=lambda size: (abs(size - wanted), size))
 
 
 def timed_by_cpu(node: NodeSpec) -> bool:
