@@ -57,18 +57,14 @@ def step_prediction(record: dict, step: dict, context: int, speeds, codecs) -> d
 def _inputs(record: dict, step: dict, context: int, speeds=None, codecs=None, micro_batch_rows: int = 0):
     """The planner's inputs of the record's chain for `step`; with `speeds` and `codecs`, its cost tables scaled by
     the one and its codecs' figures replaced by the other's at micro-batches of `micro_batch_rows` rows."""
-    from bloombee.client.micro_batching import chain_inputs
-    from bloombee.planner.inputs import CLIENT
+    from bloombee.client.micro_batching import chain_inputs, with_measurements
 
     chain = record["chain"]
     nodes = [{**span["profile"], "name": f"{span['name']}:{span['start']}", "offload": span.get("offload")}
              for span in chain]
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
     tokens = step["tokens"]
-    client_codec = nodes[0].get("compression")
-    if speeds is not None:
-        nodes = codecs.applied(speeds.scaled(nodes, micro_batch_rows), micro_batch_rows)
-        client_codec = codecs.measured(CLIENT, client_codec, micro_batch_rows)
+    nodes, client_codec = with_measurements(nodes, speeds, codecs, None if speeds is None else micro_batch_rows)
     return chain_inputs(_model_section(record["model_path"]), nodes, hops,
                         [span["end"] - span["start"] for span in chain], step["batch"] * tokens,
                         -(-context // tokens), chain[0]["dtype"], record["client_settings"].get("compression", "auto"),

@@ -144,10 +144,7 @@ class MicroBatchChooser:
                                "are not split", ", ".join(sorted(new)))
             return None
         nodes = [{**span.record.profile, "name": node_name(span), "offload": span.record.offload} for span in spans]
-        client_codec = nodes[0].get("compression")  # the client runs the same codec: the first server's stand in
-        if micro_batch_rows is not None:
-            nodes = self.codecs.applied(self.speeds.scaled(nodes, micro_batch_rows), micro_batch_rows)
-            client_codec = self.codecs.measured(CLIENT, client_codec, micro_batch_rows)
+        nodes, client_codec = with_measurements(nodes, self.speeds, self.codecs, micro_batch_rows)
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
                             spans[0].record.dtype, self.compression, client_cpu=client_cpu_share(),
@@ -249,6 +246,17 @@ class CodecFigures:
 def size_range(rows: int) -> int:
     """The power-of-two range of a micro-batch of `rows` rows: 1, 2-3, 4-7, ... are 1, 2, 3, ..."""
     return max(rows, 1).bit_length()
+
+
+def with_measurements(nodes: list[dict], speeds: ComputeSpeeds, codecs: CodecFigures,
+                      rows: int | None) -> tuple[list[dict], dict | None]:
+    """The planner node dicts with, at micro-batches of `rows` rows (None: as announced), each cost table scaled by
+    its server's measured speed and each codec's figures as measured; and the client's codec figures (the client
+    runs the same codec: the first server's profile stands in until the client has measured its own)."""
+    client_codec = nodes[0].get("compression")
+    if rows is None:
+        return nodes, client_codec
+    return codecs.applied(speeds.scaled(nodes, rows), rows), codecs.measured(CLIENT, client_codec, rows)
 
 
 def nearest_range(ranges: Sequence[int], rows: int) -> int:
