@@ -1,5 +1,6 @@
 """The codec's CPU time per call against message size: one encode and one decode cost a fixed time
-beyond their bytes, which `bloombee.codec.policy` (ENCODE_CALL_S, DECODE_CALL_S) takes into account.
+beyond their bytes, which each process measures for itself (`bloombee.codec.calls`, at two sizes); this fits the
+line over many sizes to check that two are enough.
 
     .venv/bin/python benchmarks/codec_calls.py      # writes results/codec_calls.json
 
@@ -10,9 +11,7 @@ the median CPU time of each size, then a least-squares line time = call + bytes 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,23 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bloombee import codec  # noqa: E402
+from bloombee.codec.calls import call_costs, cpu_times  # noqa: E402
 
 SIZES = (2048, 4096, 8192, 16384, 65536, 131072, 262144, 1048576)
-
-
-def cpu_times(num_bytes: int, repeats: int) -> tuple[float, float]:
-    """Median CPU seconds of one encode and one decode of a bf16 activation of `num_bytes` bytes."""
-    tensor = (torch.randn(num_bytes // 2, generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16)
-    encodes, decodes = [], []
-    for _ in range(repeats):
-        began = time.thread_time()
-        frame = codec.encode(tensor, "auto")
-        encoded = time.thread_time()
-        codec.decode(frame)
-        encodes.append(encoded - began)
-        decodes.append(time.thread_time() - encoded)
-    return statistics.median(encodes), statistics.median(decodes)
 
 
 def fit(sizes: list[int], seconds: list[float]) -> dict:
@@ -56,8 +41,11 @@ def main() -> None:
     sizes = [row["bytes"] for row in rows]
     result = {"sizes": rows, "encode": fit(sizes, [row["encode_us"] * 1e-6 for row in rows]),
               "decode": fit(sizes, [row["decode_us"] * 1e-6 for row in rows])}
+    costs = call_costs()
+    result["two_point"] = {"encode_call_us": costs.encode_s * 1e6, "decode_call_us": costs.decode_s * 1e6}
     for side in ("encode", "decode"):
-        print(f"{side}: {result[side]['call_us']:.0f} us per call + bytes at {result[side]['speed_mb_per_s']:.0f} MB/s")
+        print(f"{side}: {result[side]['call_us']:.0f} us per call + bytes at {result[side]['speed_mb_per_s']:.0f} MB/s "
+              f"(the processes' two-point measurement: {result['two_point'][side + '_call_us']:.0f} us)")
     out = ROOT / "benchmarks" / "results" / "codec_calls.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

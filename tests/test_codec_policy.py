@@ -1,4 +1,4 @@
-"""bloombee.codec.policy: the break-even rule, both ways, and how observations move it."""
+"""bloombee.codec.policy: the break-even rule (bloombee.planner.rules), both ways, and how observations move it."""
 
 import threading
 import time
@@ -7,9 +7,19 @@ import pytest
 import torch
 
 from bloombee import codec
-from bloombee.codec import CompressionPolicy, break_even_bandwidth, worth_compressing
+from bloombee.codec import CompressionPolicy
+from bloombee.planner.rules import codec_break_even, compression_pays
 
 MB = 1e6
+
+
+def break_even_bandwidth(ratio, compress_speed, decompress_speed, num_bytes=float("inf")):
+    """The rule with this machine's measured call costs, as the policy applies it."""
+    return codec_break_even(ratio, compress_speed, decompress_speed, codec.call_costs().both_s, num_bytes)
+
+
+def worth_compressing(ratio, bandwidth, compress_speed, decompress_speed, num_bytes=float("inf")):
+    return compression_pays(bandwidth, ratio, compress_speed, decompress_speed, codec.call_costs().both_s, num_bytes)
 
 
 def test_rule_compresses_on_slow_links_and_not_on_fast_ones():
@@ -46,21 +56,22 @@ def test_choose_follows_the_rule_both_ways():
 
 def test_the_calls_own_time_keeps_small_messages_raw_where_large_ones_compress():
     # at 1.5x and 500 MB/s both ways a byte costs 4 ns to code and saves a third of its wire time; the calls' own
-    # ~60 us are worth 15 KB of coding, so a 16 KiB message breaks even at about half a large one's bandwidth
-    calls = codec.ENCODE_CALL_S + codec.DECODE_CALL_S
+    # time (measured: tens of us) is worth KBs of coding, so a 16 KiB message breaks even well below a large one
+    calls = codec.call_costs().both_s
     small = break_even_bandwidth(1.5, 500 * MB, 500 * MB, 16384)
     assert small == pytest.approx((1 / 3) / (4e-9 + calls / 16384))
     assert small < break_even_bandwidth(1.5, 500 * MB, 500 * MB, 1 << 20) < break_even_bandwidth(1.5, 500 * MB, 500 * MB)
-    p = policy(link_bandwidth=60 * MB)
+    between = (small + break_even_bandwidth(1.5, 500 * MB, 500 * MB, 1 << 20)) / 2
+    p = policy(link_bandwidth=between)
     assert p.choose(16384) == "raw" and p.choose(1 << 20) == "auto"
-    assert worth_compressing(1.5, 60 * MB, 500 * MB, 500 * MB, 1 << 20)
-    assert not worth_compressing(1.5, 60 * MB, 500 * MB, 500 * MB, 16384)
+    assert worth_compressing(1.5, between, 500 * MB, 500 * MB, 1 << 20)
+    assert not worth_compressing(1.5, between, 500 * MB, 500 * MB, 16384)
 
 
 def test_observed_times_are_taken_as_the_call_plus_its_bytes():
     p = policy()
-    p.observe_encode(1_000_000, 500_000, codec.ENCODE_CALL_S + 0.001)  # 1 ms for the bytes: 1 GB/s
-    p.observe_decode(1_000_000, codec.DECODE_CALL_S + 0.0005)  # 2 GB/s
+    p.observe_encode(1_000_000, 500_000, codec.call_costs().encode_s + 0.001)  # 1 ms for the bytes: 1 GB/s
+    p.observe_decode(1_000_000, codec.call_costs().decode_s + 0.0005)  # 2 GB/s
     assert p.figures(1_000_000) == pytest.approx((2.0, 1e9, 2e9))
 
 
@@ -95,11 +106,11 @@ def test_observed_speeds_move_the_decision():
     p = policy(link_bandwidth=30 * MB)
     assert p.choose(1 << 20) == "auto"  # 30 MB/s < 83.3 MB/s
     n = 1 << 20
-    p.observe_encode(n, n // 1.5, n / 100e6 + codec.ENCODE_CALL_S)  # 100 MB/s encode: break-even drops to 27.8 MB/s
+    p.observe_encode(n, n // 1.5, n / 100e6 + codec.call_costs().encode_s)  # 100 MB/s encode: break-even drops to 27.8 MB/s
     assert p.figures(n)[1] == pytest.approx(100 * MB)
     assert p.choose(n) == "raw"
-    p.observe_decode(n, n / 10e9 + codec.DECODE_CALL_S)  # 10 GB/s decode
-    p.observe_encode(n, n // 1.5, n / 10e9 + codec.ENCODE_CALL_S)  # 10 GB/s: the median of the two, 198 MB/s
+    p.observe_decode(n, n / 10e9 + codec.call_costs().decode_s)  # 10 GB/s decode
+    p.observe_encode(n, n // 1.5, n / 10e9 + codec.call_costs().encode_s)  # 10 GB/s: the median of the two, 198 MB/s
     assert p.figures(n)[1] == pytest.approx(1 / 5.05e-9)
     assert p.choose(n) == "auto"
     assert p.figures(n // 2) == (1.5, 500 * MB, 500 * MB)  # messages of another size class: still the priors
@@ -108,17 +119,17 @@ def test_observed_speeds_move_the_decision():
 def test_one_slow_call_does_not_move_the_speeds():
     """A process's first encode (a cold codec) takes 10x a warm one: among warm ones it is outvoted at once."""
     p = policy()
-    p.observe_encode(16384, 10_000, 10 * (codec.ENCODE_CALL_S + 16384 / 500e6))
+    p.observe_encode(16384, 10_000, 10 * (codec.call_costs().encode_s + 16384 / 500e6))
     assert p.figures(16384)[1] < 50 * MB
     for _ in range(2):
-        p.observe_encode(16384, 10_000, codec.ENCODE_CALL_S + 16384 / 500e6)
+        p.observe_encode(16384, 10_000, codec.call_costs().encode_s + 16384 / 500e6)
     assert p.figures(16384)[1] == pytest.approx(500 * MB)
     p.adopt_decompress_speed(2e9, 16384)
     assert p.measured_decompress_speed(16384) == pytest.approx(2e9)
-    p.observe_decode(16384, 10 * (codec.DECODE_CALL_S + 16384 / 2e9))
+    p.observe_decode(16384, 10 * (codec.call_costs().decode_s + 16384 / 2e9))
     assert p.figures(16384)[2] < 2e8  # the median of two is their mean
     for _ in range(2):
-        p.observe_decode(16384, codec.DECODE_CALL_S + 16384 / 2e9)
+        p.observe_decode(16384, codec.call_costs().decode_s + 16384 / 2e9)
     assert p.figures(16384)[2] == pytest.approx(2e9)
     assert p.measured_decompress_speed(1 << 20) is None
 

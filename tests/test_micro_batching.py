@@ -315,7 +315,8 @@ def test_codec_figures_are_what_the_sessions_messages_measured():
     their own speeds: the chain's inputs carry those figures at the size measured (the nearest size standing in for
     others), the profile's before any compressed message, and raw messages teach nothing."""
     from bloombee.client.micro_batching import CodecFigures
-    from bloombee.codec.policy import DECODE_CALL_S, ENCODE_CALL_S
+    from bloombee.codec import call_costs
+    ENCODE_CALL_S, DECODE_CALL_S = call_costs().encode_s, call_costs().decode_s
     from bloombee.planner.inputs import CLIENT
 
     choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="on")

@@ -5,13 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from bloombee.planner.rules import speculation_break_even as break_even_bandwidth
 from bloombee.speculative.switch import (
     HOPELESS_WAIT,
     PLAIN_PROBES,
     TREE_PROBES,
     WINDOW,
     SpeculationSwitch,
-    break_even_bandwidth,
     chain_bandwidths,
     hop_weighted_bytes,
     shrunk,
@@ -27,9 +27,9 @@ def step(client_bytes: int, *server_bytes: int):
 
 def test_break_even_is_equation_8():
     # B (N - a) D over (a - 1) t_rtt + (a - m) t_comp - c / n, here with the per-round terms already summed
-    assert break_even_bandwidth(penalty=30_000, saving=0.010) == pytest.approx(3e6)
-    assert break_even_bandwidth(penalty=-5, saving=0.010) == 0.0  # the tree moves fewer bytes per token
-    assert break_even_bandwidth(penalty=30_000, saving=-0.001) == math.inf  # it costs time even with free links
+    assert break_even_bandwidth(extra_bytes=30_000, saved_s=0.010) == pytest.approx(3e6)
+    assert break_even_bandwidth(extra_bytes=-5, saved_s=0.010) == 0.0  # the tree moves fewer bytes per token
+    assert break_even_bandwidth(extra_bytes=30_000, saved_s=-0.001) == math.inf  # it costs time even with free links
 
 
 def test_hops_and_their_weights():

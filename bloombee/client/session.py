@@ -16,8 +16,8 @@ from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.client.steps import StepShape, StepStats, join_trees, joined, record_shape, shapes_before, split_rows
 from bloombee.client.verification import Untrusted, Verifier
-from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
-from bloombee.codec.policy import DECODE_CALL_S, ByteCost, size_class
+from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy, call_costs
+from bloombee.codec.policy import ByteCost, size_class
 from bloombee.dht.records import ServerRecord
 from bloombee.protocol import (
     ErrorKind,
@@ -391,7 +391,7 @@ class InferenceSession:
                     self._policy(stream).observe_decode(raw_bytes, report.decode_cpu_s)
             layout, raw_bytes = sent[-1]
             if layout != "raw" and client_cpu_s > 0:
-                self._own_decode.setdefault(size_class(raw_bytes), ByteCost(DECODE_CALL_S, None)).observe(
+                self._own_decode.setdefault(size_class(raw_bytes), ByteCost(call_costs().decode_s, None)).observe(
                     raw_bytes, client_cpu_s)
 
     def _own_decode_speed(self, num_bytes: int) -> float | None:

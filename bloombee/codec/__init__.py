@@ -12,26 +12,25 @@ layout = policy.choose(num_bytes)                   # "raw" or "auto" by the bre
 ```
 """
 
+from .calls import CallCosts, call_costs
 from .core import DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, inspect
 from .entropy import byte_entropy
 from .frame import CODEC_VERSION, LAYOUTS, CodecError
-from .policy import DECODE_CALL_S, ENCODE_CALL_S, CompressionPolicy, break_even_bandwidth, worth_compressing
+from .policy import CompressionPolicy
 
 __all__ = [
     "CODEC_VERSION",
     "LAYOUTS",
     "DEFAULT_LEVEL",
     "DEFAULT_MAX_BYTES",
-    "DECODE_CALL_S",
-    "ENCODE_CALL_S",
+    "CallCosts",
     "CodecError",
     "CompressionPolicy",
     "FrameInfo",
     "auto_candidates",
-    "break_even_bandwidth",
     "byte_entropy",
+    "call_costs",
     "decode",
     "encode",
     "inspect",
-    "worth_compressing",
 ]

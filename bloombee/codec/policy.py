@@ -1,11 +1,9 @@
 """When to compress a hop: the break-even rule, fed by speeds measured on recent traffic.
 
-Sending ``N`` raw bytes over a link of bandwidth ``B`` takes ``N / B``. Compressing first takes
-``E + N / C`` to encode, ``N / (r B)`` to send and ``F + N / D`` to decode (``r`` the ratio, ``C``
-and ``D`` the encode and decode speeds in raw bytes per second, ``E`` and ``F`` the CPU time of one
-call beyond its bytes). Compression pays iff
-
-    (1 - 1/r) / B  >  1/C + 1/D + (E + F) / N,     i.e.  B < B*(N) = (1 - 1/r) / (1/C + 1/D + (E + F) / N).
+The rule is the model of the chain's (`bloombee.planner.rules.codec_break_even`): compressing a
+message of ``N`` raw bytes pays on links slower than ``B*(N) = (1 - 1/r) / (1/C + 1/D + (E + F) / N)``
+(``r`` the ratio, ``C`` and ``D`` the encode and decode speeds in raw bytes per second, ``E + F`` the
+CPU time of the two calls beyond their bytes, which each process measures: `bloombee.codec.calls`).
 
 The calls' own time matters for small messages: in a tight loop it is three quarters of the codec's
 time on a 16 KiB decode step's frame and a sixth on a 256 KiB prompt's. In a swarm, where each
@@ -30,7 +28,6 @@ its acknowledgement is mostly the receiver's turnaround, not bytes over the link
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import threading
 import time
@@ -40,6 +37,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bloombee.planner.rules import codec_break_even
+
+from .calls import call_costs
 from .core import MIN_COMPRESS_BYTES, encode
 
 logger = logging.getLogger(__name__)
@@ -51,28 +51,7 @@ MODES = ("auto", "on", "off")
 PRIOR_RATIO = 1.3
 PRIOR_COMPRESS_SPEED = 400e6  # raw bytes per second
 PRIOR_DECOMPRESS_SPEED = 1.0e9  # raw bytes per second
-# CPU time of one encode and one decode call beyond their bytes (frame header, tensor views, zstd context), measured
-# here on bf16 activations of 2 KiB - 1 MiB (benchmarks/codec_calls.py): encode 32 us + N / 1.5 GB/s, decode
-# 27 us + N / 2.2 GB/s; the speeds the policy learns and the planner profiles announce are those of the bytes alone
-ENCODE_CALL_S = 32e-6
-DECODE_CALL_S = 27e-6
-CALLS_S = ENCODE_CALL_S + DECODE_CALL_S
 SPEED_WINDOW = 9  # codec speeds are the median of this many recent calls
-
-
-def break_even_bandwidth(ratio: float, compress_speed: float, decompress_speed: float,
-                         num_bytes: float = math.inf) -> float:
-    """The link bandwidth (bytes/s) below which compressing a message of `num_bytes` raw bytes at these ratio and
-    speeds pays (the calls' own time included; without `num_bytes`, that of very large messages)."""
-    if ratio <= 1.0:
-        return 0.0
-    return (1.0 - 1.0 / ratio) / (1.0 / compress_speed + 1.0 / decompress_speed + CALLS_S / num_bytes)
-
-
-def worth_compressing(ratio: float, bandwidth: float, compress_speed: float, decompress_speed: float,
-                      num_bytes: float = math.inf) -> bool:
-    """The rule: (1 - 1/r) / B > 1/C + 1/D + (E + F) / N."""
-    return bandwidth < break_even_bandwidth(ratio, compress_speed, decompress_speed, num_bytes)
 
 
 @dataclass
@@ -137,8 +116,9 @@ class SizeEstimates:
 
     def __init__(self, alpha: float, prior_ratio: float, prior_compress_speed: float, prior_decompress_speed: float):
         self.ratio = Ewma(alpha, prior_ratio)
-        self.encode = ByteCost(ENCODE_CALL_S, prior_compress_speed)
-        self.decode = ByteCost(DECODE_CALL_S, prior_decompress_speed)
+        calls = call_costs()
+        self.encode = ByteCost(calls.encode_s, prior_compress_speed)
+        self.decode = ByteCost(calls.decode_s, prior_decompress_speed)
         self.raw_streak = 0
 
     def report(self) -> dict:
@@ -239,7 +219,7 @@ class CompressionPolicy:
         bw = self.bandwidth
         estimates = self._estimates(num_bytes)
         r, c, dspeed = estimates.ratio.value, estimates.encode.speed, estimates.decode.speed
-        b_star = break_even_bandwidth(r, c, dspeed, num_bytes)
+        b_star = codec_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
         def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
             return Decision(

@@ -26,7 +26,8 @@ A hop src -> dst carrying n = b * activation_bytes_per_token bytes:
 
     raw:        latency + n / bandwidth
     compressed: latency + n / (r * bandwidth) + n / C_src + n / D_dst + call_src
-    compressed iff that is the faster (workload.compression = auto; call: one encode and one decode's own time),
+    compressed iff that is the faster (workload.compression = auto, by `rules.compression_pays`; call: one encode and
+    one decode's own time),
     always where both ends have a codec (on), never (off); r and C from the sender, D from the receiver.
 """
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .inputs import CLIENT, GIB, BlockCost, PlanInputs
+from .rules import compression_pays
 
 STATUS_OK = 0
 STATUS_GPU = 1  # weights + workspace exceed GPU memory
@@ -238,14 +240,14 @@ class StepModel:
         with np.errstate(invalid="ignore"):  # nan where an end has no codec; not used there
             compressed_time = (lat_s + n_bytes / (r * rate) + n_bytes / static.compress_speed
                                + n_bytes / static.decompress_speed + static.call_s)
+            pays = compression_pays(rate, r, static.compress_speed, static.decompress_speed, static.call_s, n_bytes)
         mode = self.inputs.workload.compression
         if mode == "off":
             use = np.zeros((size, size), dtype=bool)
         elif mode == "on":
             use = static.both
         else:
-            with np.errstate(invalid="ignore"):
-                use = static.both & (compressed_time < raw)
+            use = static.both & pays
         hop = np.where(use, compressed_time, raw)
         np.fill_diagonal(hop, np.inf)
         wire = n_bytes / np.where(use, r, 1.0)

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from bloombee import codec
-from bloombee.codec.policy import CALLS_S
 from bloombee.host import cpu_share
 from bloombee.planner import NodeSpec
 from bloombee.progress import progress
@@ -100,11 +99,11 @@ def _codec_figures(hidden: torch.Tensor) -> dict:
     encoded = time.perf_counter()
     codec.decode(frame)
     decoded = time.perf_counter()
-    raw = hidden.numel() * hidden.element_size()
+    raw, calls = hidden.numel() * hidden.element_size(), codec.call_costs()
     return {"ratio": raw / len(frame),
-            "compress_mb_per_s": raw / 1e6 / max(encoded - began - codec.ENCODE_CALL_S, 1e-9),
-            "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded - codec.DECODE_CALL_S, 1e-9),
-            "call_ms": CALLS_S * 1e3}
+            "compress_mb_per_s": raw / 1e6 / max(encoded - began - calls.encode_s, 1e-9),
+            "decompress_mb_per_s": raw / 1e6 / max(decoded - encoded - calls.decode_s, 1e-9),
+            "call_ms": calls.both_s * 1e3}
 
 
 def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float, device: torch.device,

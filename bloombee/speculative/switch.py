@@ -4,8 +4,8 @@ A plain round commits one token per row in time F_plain + K_plain / S; a tree ro
 per row (its acceptance) in F_tree + K_tree / S, plus the draft's time c. F is the round's time apart
 from moving bytes over the links, K the bytes it moves, each hop's bytes weighted by how much
 slower that hop's link is than the slowest, S the slowest link's bandwidth. Speculation is faster
-exactly when S > S* = (K_tree - a K_plain) / (a F_plain - F_tree - c): the paper's equation 8, with
-the hops, compute and latency measured rather than modelled.
+exactly when S > S* = (K_tree - a K_plain) / (a F_plain - F_tree - c): the paper's equation 8
+(`bloombee.planner.rules`), with the hops, compute and latency measured rather than modelled.
 
 With mode ``auto`` the switch measures a few plain rounds, then the configured tree; while S <= S*
 it moves to the first smaller tree (narrower widths, a higher pruning threshold) that the measured
@@ -23,6 +23,8 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from bloombee.planner.rules import speculation_break_even, speculation_pays
 from bloombee.speculative.draft import tree_size
 
 logger = logging.getLogger(__name__)
@@ -56,15 +58,6 @@ def chain_bandwidths(client: float, servers: list[float]) -> list[float]:
     """Each hop's bandwidth (bytes/s): client to the first server, server to server, last server to the client."""
     ends = [client] + servers + [client]
     return [min(sender, receiver) for sender, receiver in zip(ends[:-1], ends[1:])]
-
-
-def break_even_bandwidth(penalty: float, saving: float) -> float:
-    """S* (bytes/s) of equation 8 for the extra bytes per committed token's worth of rounds (`penalty`, K_tree -
-    a K_plain) and the time saved apart from transfers (`saving`, a F_plain - F_tree - c): speculation is faster on
-    links faster than S* (inf: on none, 0: on all)."""
-    if saving <= 0:
-        return math.inf
-    return max(penalty / saving, 0.0)
 
 
 class Recent:
@@ -174,16 +167,16 @@ class SpeculationSwitch:
         """Keep this tree while it is faster than plain decoding (S > S*); else the first smaller tree that could be
         (predicted from this one's figures), or plain decoding."""
         penalty, saving = self._terms(1.0)
-        self.last_break_even = break_even_bandwidth(penalty, saving)
+        self.last_break_even = speculation_break_even(penalty, saving)
         described = (f"S = {self.slowest * 8 / 1e6:.1f} Mbit/s, S* = {self.last_break_even * 8 / 1e6:.1f} Mbit/s, "
                      f"{self._accepted():.2f} tokens per round")
-        if penalty / self.slowest < saving:
+        if speculation_pays(self.slowest, penalty, saving):
             self._decide(f"speculating with tree level {self.level}: {described}")
             return
         size = tree_size(shrunk(self.configured, self.level))
         for level in range(self.level + 1, len(SHRINK_TAU)):
             penalty, saving = self._terms(tree_size(shrunk(self.configured, level)) / size)
-            if penalty / self.slowest < saving:  # a new size is measured in full, even after a one-round recheck
+            if speculation_pays(self.slowest, penalty, saving):  # a new size is measured in full, even after a one-round recheck
                 self.level, self.tree, self.probes = level, Measured(), TREE_PROBES
                 self._decide(f"shrinking the tree to level {level}: {described}")
                 return
@@ -195,7 +188,7 @@ class SpeculationSwitch:
         """Whether the configured tree would lose even if every row accepted its whole depth every round (from the
         measured tree's figures, `size` nodes, scaled to it)."""
         penalty, saving = self._terms(tree_size(self.configured) / size, accepted=len(self.configured) + 1.0)
-        return penalty / self.slowest >= saving
+        return not speculation_pays(self.slowest, penalty, saving)
 
     def _accepted(self) -> float:
         """Tokens per row per round of the measured tree: the configured one's over its longer window."""
