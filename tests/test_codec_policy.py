@@ -94,7 +94,7 @@ def test_unknown_bandwidth_assumes_a_slow_link():
 
 
 def test_observed_ratio_moves_the_decision():
-    p = policy(link_bandwidth=10 * MB, alpha=0.5)
+    p = policy(link_bandwidth=10 * MB)
     assert p.choose(1 << 20) == "auto"
     for _ in range(20):  # the traffic turns out incompressible: ratio ~1.01
         p.observe_encode(1 << 20, int((1 << 20) / 1.01), 0.002)

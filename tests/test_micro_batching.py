@@ -201,8 +201,7 @@ def test_a_transfer_into_a_server_slows_while_that_servers_uplink_sends():
 
 def test_measured_compute_speeds_scale_each_servers_cost_table():
     """A server whose reports show it computing 2x slower than its table: the model charges it 2x from then on,
-    and the others as before; later steps move the factor by SPEED_WEIGHT each."""
-    from bloombee.client.micro_batching import SPEED_WEIGHT
+    and the others as before; later steps move the factor to the mean of the recent steps' ratios."""
     from bloombee.planner import evaluate
 
     choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
@@ -218,7 +217,7 @@ def test_measured_compute_speeds_scale_each_servers_cost_table():
     assert choose.step_seconds(spans, 32, 1, 32, 1) == pytest.approx(before + table[1])
     assert computes(choose.chain_inputs(spans, 32, 32)) == pytest.approx(table)  # the tables as announced
     choose.observe(spans, 32, 1, 32, step_of(table))
-    assert computes(choose.chain_inputs(spans, 32, 32, 32))[1] == pytest.approx((2 - SPEED_WEIGHT) * table[1])
+    assert computes(choose.chain_inputs(spans, 32, 32, 32))[1] == pytest.approx(1.5 * table[1])  # mean of 2 and 1
 
 
 def test_compute_speeds_are_measured_per_micro_batch_size():

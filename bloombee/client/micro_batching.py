@@ -25,6 +25,7 @@ from bloombee.codec.policy import SizeEstimates
 from bloombee.host import cpu_share
 from bloombee.protocol import HopReport
 from bloombee.planner import NodeSpec, PlanInputs, evaluate
+from bloombee.planner.learning import Recent, nearest_class, size_class
 from bloombee.planner.costs import micro_batch_size
 from bloombee.planner.inputs import CLIENT
 from bloombee.planner.model_config import model_section_from_config
@@ -54,9 +55,8 @@ HOST_BUSY_CORES = 0.2
 # prompt steps of netbench's pipeline sweep came within 20 % of their measured time in 43 of 44 cells (the slower of
 # the two alone had left 2 of 44 outside in the sweep before), and all 44 with `schedule`'s acknowledgement term
 STACK_MBPS = 700.0
-# weight of a step in each server's measured compute speed (its reported compute time against the model's)
-SPEED_WEIGHT = 0.3
-RATIO_WEIGHT = 0.2  # weight of a message in a codec's measured ratio
+# steps whose mean is each server's measured compute speed (its reported compute time against the model's)
+SPEED_WINDOW = 5
 # more micro-batches are chosen only where the model has them this much faster: within its error (netbench: whole
 # prompts on fast links predicted up to 1.12x their time, split ones down to 0.87x) a split that gains less does not
 # pay for its extra messages
@@ -153,7 +153,7 @@ class MicroBatchChooser:
 
 class ComputeSpeeds:
     """Each server's compute speed against its announced cost table, as its steps measure it, for micro-batches of
-    each size (rows, in power-of-two ranges): a moving average of its reported compute over the planner's of that
+    each size (rows, in power-of-two ranges): a mean of its recent steps' reported compute over the planner's of that
     server in the same step (`measured_compute` and `modelled_compute`: on a single-threaded CPU server its compute
     thread's CPU time against the table's time, elsewhere wall time against the simulation's). A machine's speed
     drifts (load from other sessions or other tenants: on netbench's runs here servers computed up to 1.8x slower
@@ -162,13 +162,13 @@ class ComputeSpeeds:
     pipeline model's 32-row decode steps ran 1.27x slower than its table and its 128-row prompt chunks at 1.0x)."""
 
     def __init__(self):
-        self._factors: dict[tuple[str, int], float] = {}  # (node, size range) -> measured over modelled
+        self._factors: dict[tuple[str, int], Recent] = {}  # (node, size class) -> measured over modelled
 
     def factor(self, name: str, rows: int) -> float:
         """Measured over modelled compute time of node `name` at micro-batches of `rows` rows: from the nearest size
         range it has computed (1.0 before any step)."""
         ranges = [size for node, size in self._factors if node == name]
-        return self._factors[(name, nearest_range(ranges, rows))] if ranges else 1.0
+        return self._factors[(name, nearest_class(ranges, rows))].value if ranges else 1.0
 
     def scaled(self, nodes: list[dict], rows: int) -> list[dict]:
         """The planner node dicts with each cost table, and on a CPU the cost of a message, scaled by its node's
@@ -181,10 +181,8 @@ class ComputeSpeeds:
         reported (`measured_compute`), against `modelled` (`modelled_compute` of the step at the tables' speeds)."""
         for name, measured in zip(names, compute_s):
             if modelled.get(name, 0.0) > 0 and measured > 0:
-                ratio = measured / modelled[name]
-                key = (name, size_range(rows))
-                old = self._factors.get(key)
-                self._factors[key] = ratio if old is None else old + SPEED_WEIGHT * (ratio - old)
+                self._factors.setdefault((name, size_class(rows)), Recent(SPEED_WINDOW, statistic="mean")).update(
+                    measured / modelled[name])
 
 
 class CodecFigures:
@@ -201,7 +199,7 @@ class CodecFigures:
     def observe(self, names: Sequence[str], rows: int, step: StepStats) -> None:
         """Fold in one step of micro-batches of `rows` rows through the servers `names` (the client's encodes, each
         server's encode and decode as its reports time them)."""
-        size = size_range(rows)
+        size = size_class(rows)
         if step.client_layout != "raw" and step.sent_wire_bytes:
             messages = step.micro_batches
             self._encoded(CLIENT, size, step.sent_raw_bytes / messages, step.sent_wire_bytes / messages,
@@ -221,7 +219,7 @@ class CodecFigures:
         ranges = [size for machine, size in self._sizes if machine == name]
         if not ranges:
             return codec
-        estimates = self._sizes[(name, nearest_range(ranges, rows))]
+        estimates = self._sizes[(name, nearest_class(ranges, rows))]
         measured = {"ratio": estimates.ratio.value, "compress_mb_per_s": estimates.encode.speed,
                     "decompress_mb_per_s": estimates.decode.speed}
         return codec | {key: value / 1e6 if key.endswith("_per_s") else value
@@ -239,13 +237,8 @@ class CodecFigures:
     def _estimates(self, name: str, size: int) -> SizeEstimates:
         key = (name, size)
         if key not in self._sizes:
-            self._sizes[key] = SizeEstimates(RATIO_WEIGHT, None, None, None)
+            self._sizes[key] = SizeEstimates(None, None, None)
         return self._sizes[key]
-
-
-def size_range(rows: int) -> int:
-    """The power-of-two range of a micro-batch of `rows` rows: 1, 2-3, 4-7, ... are 1, 2, 3, ..."""
-    return max(rows, 1).bit_length()
 
 
 def with_measurements(nodes: list[dict], speeds: ComputeSpeeds, codecs: CodecFigures,
@@ -257,12 +250,6 @@ def with_measurements(nodes: list[dict], speeds: ComputeSpeeds, codecs: CodecFig
     if rows is None:
         return nodes, client_codec
     return codecs.applied(speeds.scaled(nodes, rows), rows), codecs.measured(CLIENT, client_codec, rows)
-
-
-def nearest_range(ranges: Sequence[int], rows: int) -> int:
-    """Of `ranges` (size ranges), the nearest to micro-batches of `rows` rows (the smaller of two as near)."""
-    wanted = size_range(rows)
-    return min(ranges, key=lambda size: (abs(size - wanted), size))
 
 
 def timed_by_cpu(node: NodeSpec) -> bool:

@@ -17,8 +17,9 @@ from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.client.steps import StepShape, StepStats, join_trees, joined, record_shape, shapes_before, split_rows
 from bloombee.client.verification import Untrusted, Verifier
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy, call_costs
-from bloombee.codec.policy import ByteCost, size_class
+from bloombee.codec.policy import ByteCost
 from bloombee.dht.records import ServerRecord
+from bloombee.planner.learning import size_class
 from bloombee.protocol import (
     ErrorKind,
     Hop,

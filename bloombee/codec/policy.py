@@ -10,8 +10,8 @@ time on a 16 KiB decode step's frame and a sixth on a 256 KiB prompt's. In a swa
 step's compute leaves the codec's tables cold, a 16 KiB frame took about 6x its tight-loop CPU time,
 and figures learnt on decode steps, applied to prompts, kept them raw on links where compressing
 them paid (netbench, 250 Mbit/s: 15 % of bloombee-tiny's prompt step). So ``CompressionPolicy``
-keeps its figures per size class of message (powers of two): for each, an exponentially weighted
-average of ``r`` and the medians of recent ``1/C`` and ``1/D`` (`ByteCost`) from the encodes it
+keeps its figures per size class of message (powers of two): for each, the medians of recent ``r``,
+``1/C`` and ``1/D`` (`ByteCost`) from the encodes it
 makes and the decodes its receiver reports (the receiver's own speed of that class travels back in
 each step's route), takes ``B`` from the caller (the link speed the DHT records announce, the
 figure the planner models the hop with), and applies the rule per message. Use one policy per link.
@@ -28,15 +28,14 @@ its acknowledgement is mostly the receiver's turnaround, not bytes over the link
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from bloombee.planner.learning import Recent, size_class
 from bloombee.planner.rules import codec_break_even
 
 from .calls import call_costs
@@ -51,7 +50,7 @@ MODES = ("auto", "on", "off")
 PRIOR_RATIO = 1.3
 PRIOR_COMPRESS_SPEED = 400e6  # raw bytes per second
 PRIOR_DECOMPRESS_SPEED = 1.0e9  # raw bytes per second
-SPEED_WINDOW = 9  # codec speeds are the median of this many recent calls
+SPEED_WINDOW = 9  # codec ratios and speeds are the median of this many recent calls
 
 
 @dataclass
@@ -74,48 +73,34 @@ class ByteCost:
     mid-way does not move it; the prior (a speed, or None) until the first."""
 
     def __init__(self, call_s: float, prior_speed: float | None):
-        self.call_s = call_s
-        self.prior_speed = prior_speed
-        self._recent: deque[float] = deque(maxlen=SPEED_WINDOW)
-        self.count = 0
+        self.call_s, self.prior_speed = call_s, prior_speed
+        self._per_byte = Recent(SPEED_WINDOW)
+
+    @property
+    def count(self) -> int:
+        return self._per_byte.count
 
     def observe(self, raw_bytes: int, seconds: float) -> None:
-        self._recent.append(max(seconds - self.call_s, 1e-9) / raw_bytes)
-        self.count += 1
+        self._per_byte.update(max(seconds - self.call_s, 1e-9) / raw_bytes)
 
     def adopt(self, speed: float) -> None:
         """Take `speed` (raw bytes/s, measured elsewhere) in place of the observations so far."""
-        self._recent.clear()
-        self._recent.append(1.0 / speed)
-        self.count = max(self.count, 1)
+        self._per_byte.adopt(1.0 / speed)
 
     @property
     def speed(self) -> float | None:
         """Raw bytes per second of the bytes alone (the prior before any observation)."""
-        return 1.0 / statistics.median(self._recent) if self._recent else self.prior_speed
-
-
-class Ewma:
-    """An exponentially weighted moving average; ``value`` is the prior until the first update."""
-
-    __slots__ = ("alpha", "value", "count")
-
-    def __init__(self, alpha: float, prior: float | None):
-        self.alpha = alpha
-        self.value = prior
-        self.count = 0
-
-    def update(self, x: float) -> None:
-        self.value = x if self.value is None or self.count == 0 else self.value + self.alpha * (x - self.value)
-        self.count += 1
+        per_byte = self._per_byte.value
+        return self.prior_speed if per_byte is None else 1.0 / per_byte
 
 
 class SizeEstimates:
     """What a policy has learnt about the messages of one size class: ratio, encode and decode speeds, and how many
     of them in a row it has sent raw."""
 
-    def __init__(self, alpha: float, prior_ratio: float, prior_compress_speed: float, prior_decompress_speed: float):
-        self.ratio = Ewma(alpha, prior_ratio)
+    def __init__(self, prior_ratio: float | None, prior_compress_speed: float | None,
+                 prior_decompress_speed: float | None):
+        self.ratio = Recent(SPEED_WINDOW, prior_ratio)
         calls = call_costs()
         self.encode = ByteCost(calls.encode_s, prior_compress_speed)
         self.decode = ByteCost(calls.decode_s, prior_decompress_speed)
@@ -124,11 +109,6 @@ class SizeEstimates:
     def report(self) -> dict:
         return {"ratio": self.ratio.value, "compress_speed": self.encode.speed, "decompress_speed": self.decode.speed,
                 "observations": {"encode": self.ratio.count, "decode": self.decode.count}}
-
-
-def size_class(num_bytes: int) -> int:
-    """The power-of-two range of a message of `num_bytes` bytes (16 KiB and 16-32 KiB are 15 and 16)."""
-    return max(int(num_bytes), 1).bit_length()
 
 
 class CompressionPolicy:
@@ -147,7 +127,6 @@ class CompressionPolicy:
         layout: str = "auto",
         accepted: Iterable[str] | None = None,
         level: int | None = None,
-        alpha: float = 0.2,
         prior_ratio: float = PRIOR_RATIO,
         prior_compress_speed: float = PRIOR_COMPRESS_SPEED,
         prior_decompress_speed: float = PRIOR_DECOMPRESS_SPEED,
@@ -165,7 +144,7 @@ class CompressionPolicy:
         self.min_bytes = min_bytes
         self.probe_every = probe_every
         self._lock = threading.Lock()
-        self._priors = (alpha, prior_ratio, prior_compress_speed, prior_decompress_speed)
+        self._priors = (prior_ratio, prior_compress_speed, prior_decompress_speed)
         self._sizes: dict[int, SizeEstimates] = {}
         self._bandwidth = link_bandwidth
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}

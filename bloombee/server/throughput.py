@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from bloombee.planner.learning import Recent
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
 from bloombee.server.measure_cache import CACHE_DIR, cached, store
@@ -15,7 +16,7 @@ from bloombee.server.measure_cache import CACHE_DIR, cached, store
 logger = logging.getLogger(__name__)
 
 ROUNDS = 3  # the best round counts: a busy moment of the machine slows some rounds, not all
-SERVED_WEIGHT = 0.1  # of each served step in the running estimate
+SERVED_WINDOW = 16  # served steps whose mean is the running estimate
 SERVED_BEFORE_TRUSTED = 8  # served batch-1 decode steps before they replace the start-up figure
 
 
@@ -38,31 +39,28 @@ def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
 
 class ThroughputMeter:
     """The announced block-steps/s: the start-up figure until enough batch-1 decode steps were served, then a
-    running average of those steps' compute (so a figure measured under load corrects itself)."""
+    the mean of the last of those steps' compute (so a figure measured under load corrects itself)."""
 
     def __init__(self, measured: float, cache_key: str, cache_path: Path = CACHE_DIR / "throughput.json"):
         self.measured, self.cache_key, self.cache_path = measured, cache_key, cache_path
-        self._served: float | None = None
-        self._count = 0
+        self._served = Recent(SERVED_WINDOW, statistic="mean")
         self._lock = threading.Lock()
 
     @property
     def value(self) -> float:
         with self._lock:
-            return self._served if self._count >= SERVED_BEFORE_TRUSTED else self.measured
+            return self._served.value if self._served.count >= SERVED_BEFORE_TRUSTED else self.measured
 
     def observe(self, rows: int, tokens: int, blocks: int, seconds: float) -> None:
         """One served step's compute; only batch-1 decode steps (what the figure means) count."""
         if rows != 1 or tokens != 1 or seconds <= 0:
             return
-        rate = blocks / seconds
         with self._lock:
-            self._served = rate if self._served is None else self._served + SERVED_WEIGHT * (rate - self._served)
-            self._count += 1
+            self._served.update(blocks / seconds)
 
     def save(self) -> None:
         """Keep the served figure for the next start (nothing to keep before enough steps were served)."""
-        if self._count >= SERVED_BEFORE_TRUSTED:
+        if self._served.count >= SERVED_BEFORE_TRUSTED:
             store(self.cache_path, self.cache_key, self.value)
             logger.info("Stored the served throughput %.1f block-steps/s for %s", self.value, self.cache_key)
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 
+from bloombee.planner.learning import Recent
 from bloombee.planner.rules import speculation_break_even, speculation_pays
 from bloombee.speculative.draft import tree_size
 
@@ -60,28 +59,20 @@ def chain_bandwidths(client: float, servers: list[float]) -> list[float]:
     return [min(sender, receiver) for sender, receiver in zip(ends[:-1], ends[1:])]
 
 
-class Recent:
-    """The mean of the last `window` values (steadier than a fast running average on noisy round times)."""
-
-    def __init__(self, window: int = WINDOW):
-        self.values: deque[float] = deque(maxlen=window)
-
-    def update(self, value: float) -> None:
-        self.values.append(value)
-
-    @property
-    def value(self) -> float:
-        return statistics.fmean(self.values) if self.values else 0.0
+def recent(window: int = WINDOW) -> Recent:
+    """The mean of the last `window` values, 0 before any (steadier than a fast running average on noisy round
+    times)."""
+    return Recent(window, 0.0, "mean")
 
 
 @dataclass
 class Measured:
     """One kind of round, over its recent rounds: time apart from transfers, weighted bytes, draft time, acceptance."""
 
-    fixed: Recent = field(default_factory=Recent)
-    weighted_bytes: Recent = field(default_factory=Recent)
-    draft_s: Recent = field(default_factory=Recent)
-    accepted: Recent = field(default_factory=Recent)
+    fixed: Recent = field(default_factory=recent)
+    weighted_bytes: Recent = field(default_factory=recent)
+    draft_s: Recent = field(default_factory=recent)
+    accepted: Recent = field(default_factory=recent)
     rounds: int = 0
     row_rounds: int = 0  # rounds times the rows that took part in them
 
@@ -96,7 +87,7 @@ class SpeculationSwitch:
         self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
         self.level, self.plain, self.tree = 0, Measured(), Measured()
         self.off, self.rounds_since_check, self.recheck_in = False, 0, recheck_rounds
-        self.configured_accepted = Recent(ACCEPTANCE_WINDOW)  # the configured tree's, kept across rechecks
+        self.configured_accepted = recent(ACCEPTANCE_WINDOW)  # the configured tree's, kept across rechecks
         self.probes = TREE_PROBES  # rounds measured before a tree is judged: fewer at a recheck
         self.configured: tuple[int, ...] = ()
         self.decision: str | None = None
