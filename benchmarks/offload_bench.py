@@ -201,7 +201,7 @@ def chain_result(record: dict, chain: Chain, max_length: int) -> dict[str, Any]:
 
 def planner_view(record: dict, context: int) -> dict[str, Any]:
     """The planner's alphas and decode step for this chain with the session's whole KV cache (max_length tokens)."""
-    from bloombee.client.micro_batching import chain_inputs
+    from bloombee.planner.chain import chain_inputs
     from bloombee.planner.evaluate import evaluate
 
     chain = record["chain"]

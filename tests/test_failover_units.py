@@ -45,7 +45,7 @@ def test_the_deadline_comes_from_recent_steps_of_the_same_size_with_a_floor():
 def test_without_recent_steps_the_announced_figures_give_the_expected_time():
     clock = StepClock(ClientSettings(hop_penalty_seconds=0.0), hidden_size=64)
     vectors = 1000
-    transfer = vectors * 64 * 2 / 12.5e6
+    transfer = vectors * 64 * 4 / 12.5e6  # the records announce float32: 4 bytes a value
     assert clock.expected(chain(throughput=100.0), 1, vectors) == pytest.approx(2 * (transfer + 4 * vectors / 100.0))
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from transformers import LlamaConfig
 
-from bloombee.client.micro_batching import MicroBatchChooser, predicted_step_s
+from bloombee.client.micro_batching import MicroBatchChooser
+from bloombee.planner.chain import predicted_step_s
 from bloombee.client.routing import Span
 from bloombee.client.session import InferenceSession
 from bloombee.client.steps import StepStats, split_rows
@@ -117,7 +118,7 @@ def test_auto_takes_the_plans_micro_batches_for_the_batch_it_planned():
 
 
 def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_compute():
-    from bloombee.client.micro_batching import CLIENT_MESSAGE_CPU_MS, MESSAGE_CPU_MS, chain_inputs
+    from bloombee.planner.chain import CLIENT_MESSAGE_CPU_MS, MESSAGE_CPU_MS, chain_inputs
     from bloombee.planner import evaluate
     from bloombee.planner.schedule import cpu_shares, simulate
 
@@ -149,7 +150,7 @@ def test_a_servers_compute_takes_turns_with_the_messages_streaming_through_it():
     """On unshaped links a transfer is all p2p stack: while micro-batch 2 streams into s0, s0's compute of micro-batch
     1 takes turns with the interpreter's share of the stack (INTERPRETER_SHARE_OF_STACK, half), so gets 1/1.5 of its
     interpreter; where the stack is a tenth of the transfer (a slower link), 1/1.05 of it."""
-    from bloombee.client.micro_batching import STACK_MBPS, chain_inputs, through_stack
+    from bloombee.planner.chain import STACK_MBPS, chain_inputs, through_stack
     from bloombee.planner import evaluate
     from bloombee.planner.schedule import INTERPRETER_SHARE_OF_STACK, cpu_shares, simulate, streaming
 
@@ -177,7 +178,7 @@ def test_a_servers_compute_takes_turns_with_the_messages_streaming_through_it():
 def test_a_transfer_into_a_server_slows_while_that_servers_uplink_sends():
     """Prompt micro-batches over 20 Mbit/s links: the client's second one reaches s0 while s0 pushes the first on, so it
     moves at `ack_slowdown` of its rate for that while and at full rate otherwise; a step is slower than without."""
-    from bloombee.client.micro_batching import chain_inputs
+    from bloombee.planner.chain import chain_inputs
     from bloombee.planner import evaluate, schedule
     from bloombee.planner.schedule import ack_slowdown, chain_hops, simulate
 
@@ -278,7 +279,7 @@ def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatc
 def test_a_message_crosses_the_p2p_stack_and_then_its_link():
     """A hop's time is the stack's (STACK_MBPS) plus the link's: no link makes a hop faster than the stack, and a
     slow link pays the stack's copies on top of its own transmission."""
-    from bloombee.client.micro_batching import STACK_MBPS, chain_inputs
+    from bloombee.planner.chain import STACK_MBPS, chain_inputs
     from bloombee.planner import evaluate
 
     model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model

@@ -3,7 +3,7 @@
 For every step of a run the chain's servers' announced profiles (per-block cost tables, codec
 figures) with their compute speeds and codec figures measured in the run's earlier steps, the hops'
 true shaped rates and the step's own micro-batch count go through the same code the client's
-`micro_batches="auto"` uses (`bloombee.client.micro_batching.chain_inputs`, `ComputeSpeeds`,
+`micro_batches="auto"` uses (`bloombee.planner.chain.chain_inputs`, `ComputeSpeeds`,
 `CodecFigures` and the planner's `evaluate` / `schedule.simulate`). Both of the planner's estimates are kept: its
 closed form (eq. 4) and its event simulation.
 """
@@ -30,7 +30,8 @@ def step_prediction(record: dict, step: dict, context: int, speeds, codecs) -> d
     """Closed-form and simulated seconds of one step's chain as the planner predicts it, at the servers' speeds and
     codec figures measured in the record's earlier steps (None without profiles); then the step's own reports update
     `speeds` (`ComputeSpeeds`) and `codecs` (`CodecFigures`), as the client's own steps update its model."""
-    from bloombee.client.micro_batching import measured_compute, modelled_compute, predicted_times
+    from bloombee.client.micro_batching import measured_compute
+    from bloombee.planner.chain import modelled_compute, predicted_times
     from bloombee.client.steps import StepStats
     from bloombee.planner.costs import micro_batch_size
     from bloombee.protocol import HopReport
@@ -57,7 +58,8 @@ def step_prediction(record: dict, step: dict, context: int, speeds, codecs) -> d
 def _inputs(record: dict, step: dict, context: int, speeds=None, codecs=None, micro_batch_rows: int = 0):
     """The planner's inputs of the record's chain for `step`; with `speeds` and `codecs`, its cost tables scaled by
     the one and its codecs' figures replaced by the other's at micro-batches of `micro_batch_rows` rows."""
-    from bloombee.client.micro_batching import chain_inputs, with_measurements
+    from bloombee.client.micro_batching import with_measurements
+    from bloombee.planner.chain import chain_inputs
 
     chain = record["chain"]
     nodes = [{**span["profile"], "name": f"{span['name']}:{span['start']}", "offload": span.get("offload")}

@@ -10,7 +10,8 @@ the generic request timeout.
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
-from bloombee.client.routing import ACTIVATION_BYTES_PER_VALUE, Span
+from bloombee.client.routing import Span, span_figures
+from bloombee.planner.chain import announced_step_seconds
 from bloombee.settings import ClientSettings
 
 RECENT_STEPS = 8  # step times remembered per step size
@@ -34,12 +35,8 @@ class StepClock:
 
     def announced(self, spans: Sequence[Span], vectors: int) -> float:
         """Seconds for `vectors` hidden vectors through `spans` by the servers' DHT records."""
-        total = 0.0
-        for span in spans:
-            transfer = vectors * self.hidden_size * ACTIVATION_BYTES_PER_VALUE / span.record.link_bandwidth
-            compute = (span.end - span.start) * vectors / max(span.record.throughput, 1e-9)
-            total += self.settings.hop_penalty_seconds + transfer + compute
-        return total
+        figures = [span_figures(span.record, span.end - span.start, self.hidden_size) for span in spans]
+        return announced_step_seconds(figures, vectors, self.settings.hop_penalty_seconds)
 
     def deadline(self, expected: float) -> float:
         """Seconds to wait for something expected to take `expected` seconds."""

@@ -1,11 +1,10 @@
 """`micro_batches="auto"`: the planner's model of the session's chain picks how many micro-batches a step uses.
 
 The chain's servers announce their planner profile (per-block cost table, memory, codec figures)
-and link speed in their DHT records. From them this module builds the planner's inputs for the
-chain as routed (one node per span, its blocks as the assignment) and scores every candidate M
-with the planner's own step model and event simulation (`bloombee.planner.evaluate` and
-`schedule.simulate`, in which servers computing on the CPU of one machine share its cores), then
-takes the fastest. A step of T tokens per row is scored as a decode
+and link speed in their DHT records. From them the model of the chain (`bloombee.planner.chain`)
+builds the planner's inputs for the chain as routed (one node per span, its blocks as the
+assignment) and scores every candidate M with the planner's own step model and event simulation,
+in which servers computing on the CPU of one machine share its cores; this module takes the fastest. A step of T tokens per row is scored as a decode
 step of B x T rows (compute and activation bytes both scale with the tokens of a micro-batch).
 Each step's hop reports then tell how fast every server really computed against its table
 (`ComputeSpeeds`) and what its codec really did with the session's messages (`CodecFigures`), and
@@ -23,38 +22,23 @@ from bloombee.client.routing import Span
 from bloombee.client.steps import StepStats
 from bloombee.codec.policy import SizeEstimates
 from bloombee.host import cpu_share
-from bloombee.protocol import HopReport
-from bloombee.planner import NodeSpec, PlanInputs, evaluate
-from bloombee.planner.learning import Recent, nearest_class, size_class
+from bloombee.planner import PlanInputs
+from bloombee.planner.chain import (
+    chain_inputs,
+    modelled_compute,
+    predicted_step_s,
+    scaled_cost,
+    timed_by_cpu,
+)
 from bloombee.planner.costs import micro_batch_size
 from bloombee.planner.inputs import CLIENT
+from bloombee.planner.learning import Recent, nearest_class, size_class
 from bloombee.planner.model_config import model_section_from_config
-from bloombee.planner.schedule import cpu_shares, simulate
+from bloombee.protocol import HopReport
 
 logger = logging.getLogger(__name__)
 
 CANDIDATES = (1, 2, 4, 8, 16, 32)
-# wire latency of one message on one hop beyond its bytes (veth, daemons' sockets)
-MESSAGE_OVERHEAD_MS = 0.2
-# CPU time one message costs each end of a hop on a CPU host (protobuf, asyncio, the p2p daemon, the codec call),
-# taken in turns with that process's compute (one interpreter) and shared with the host's other processes; fitted on
-# netbench's bloombee-tiny and pipeline sweeps, where steps of M micro-batches grew by about this much per message
-MESSAGE_CPU_MS = 0.8
-# the same for the client, whose process does nothing else while it sends a step or takes its output: netbench's
-# unsplit steps on an unshaped link took 0.9-1.2 ms (bloombee-tiny) and 2.4-2.8 ms (the pipeline model) less on the
-# client's two hops than on the hops between servers, which the servers' pipeline stages hand on between threads
-CLIENT_MESSAGE_CPU_MS = 0.4
-# cores of a CPU host that its DHT peers and event loops keep busy while its servers compute at once, besides the
-# daemons' share of each message (`schedule.DAEMON_CORES_PER_MESSAGE`): fitted on netbench's micro-batching sweeps
-# together with that share (0.4 without it had the pipeline model's split prompts 1.08-1.20x their measured time and
-# bloombee-tiny's 0.81-0.9x; with both, the records of those sweeps re-predict within 0.82-1.18, and the sweeps run
-# with both had 6 of 176 cells outside 20 %, which the model without them re-predicts outside too)
-HOST_BUSY_CORES = 0.2
-# what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
-# activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, the
-# prompt steps of netbench's pipeline sweep came within 20 % of their measured time in 43 of 44 cells (the slower of
-# the two alone had left 2 of 44 outside in the sweep before), and all 44 with `schedule`'s acknowledgement term
-STACK_MBPS = 700.0
 # steps whose mean is each server's measured compute speed (its reported compute time against the model's)
 SPEED_WINDOW = 5
 # more micro-batches are chosen only where the model has them this much faster: within its error (netbench: whole
@@ -252,48 +236,9 @@ def with_measurements(nodes: list[dict], speeds: ComputeSpeeds, codecs: CodecFig
     return codecs.applied(speeds.scaled(nodes, rows), rows), codecs.measured(CLIENT, client_codec, rows)
 
 
-def timed_by_cpu(node: NodeSpec) -> bool:
-    """Whether a node's compute is judged by its CPU time: a CPU node computing on one thread. Its report's
-    `compute_cpu_s` is then all of the compute's work, without the waits for a core that the simulation models;
-    elsewhere the wall time `compute_s` is judged against the simulation's (a GPU's kernels are not CPU time)."""
-    return node.cpu is not None and node.cpu.threads == 1
-
-
 def measured_compute(inputs: PlanInputs, reports: Sequence[HopReport]) -> list[float]:
     """Each node's compute in one step as its report measures it, in the terms `modelled_compute` models it."""
     return [report.compute_cpu_s if timed_by_cpu(node) else report.compute_s for node, report in zip(inputs.nodes, reports)]
-
-
-def modelled_compute(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> dict[str, float]:
-    """Each node's compute time in one step as the planner has it (all its micro-batches; empty if the step does not
-    fit): the table's time where the node is timed by its CPU time, else the time the simulation gives it."""
-    evaluation = evaluate(inputs, assignment, rows, micro_batches)
-    if not evaluation.feasible:
-        return {}
-    modelled: dict[str, float] = {}
-    for interval in simulate(evaluation, cpu_shares(inputs))[0]:
-        if interval.kind == "compute":
-            name = interval.row.removesuffix(" compute")
-            modelled[name] = modelled.get(name, 0.0) + interval.end_s - interval.start_s
-    for node, stage in zip(inputs.nodes, evaluation.stages):
-        if timed_by_cpu(node) and stage.active:
-            modelled[node.name] = stage.t_comp_s * micro_batches
-    return modelled
-
-
-def scaled_cost(node: dict, factor: float) -> dict:
-    """A planner node dict with its cost table's (or polynomial's) compute times, and on a CPU its message cost,
-    multiplied by `factor`."""
-    if factor == 1.0:
-        return node
-    cost = node["cost"]
-    part = "table" if cost.get("table") is not None else "coefficients"
-    scaled = {key: values if key == "micro_batch" else [value * factor for value in values]
-              for key, values in cost[part].items()}
-    node = {**node, "cost": {**cost, part: scaled}}
-    if node.get("cpu"):
-        node["cpu"] = {**node["cpu"], "message_ms": MESSAGE_CPU_MS * factor}
-    return node
 
 
 def node_name(span: Span) -> str:
@@ -306,73 +251,8 @@ def step_key(spans: Sequence[Span], batch_size: int, num_tokens: int, context: i
             max(context - 1, 0).bit_length())
 
 
-def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
-                 dtype: str, compression: str, hop_mbps: Sequence[float] | None = None,
-                 client_cpu: dict | None = None, client_codec: dict | None = None) -> PlanInputs:
-    """Planner inputs of a chain of `nodes` (planner node dicts without links) holding `blocks` blocks each.
-
-    `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
-    last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
-    `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
-    `client_codec`: the client's codec figures (without, it has none).
-    Every process on a CPU (the nodes that announce a CPU share, and the client when `client_cpu` gives
-    its own) spends MESSAGE_CPU_MS of that CPU (the client CLIENT_MESSAGE_CPU_MS) on each message it sends or
-    receives, and their host has HOST_BUSY_CORES of its cores fewer for their compute.
-    """
-    names = [node["name"] for node in nodes]
-    overrides = [] if hop_mbps is None else [
-        {"src": src, "dst": dst, "bandwidth_mbps": through_stack(mbps)}
-        for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
-    client = {"link": link(links_mbps[0])}
-    if client_codec is not None:
-        client["compression"] = client_codec
-    if client_cpu is not None:
-        client["cpu"] = with_host_costs({"message_ms": CLIENT_MESSAGE_CPU_MS, **client_cpu})
-    return PlanInputs.model_validate({
-        "model": model | {"num_blocks": sum(blocks)},
-        "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
-                     "dtype": planner_dtype(dtype), "compression": compression},
-        "client": client,
-        "nodes": [{**node, "link": link(mbps)} | ({"cpu": with_host_costs(node["cpu"])} if node.get("cpu") else {})
-                  for node, mbps in zip(nodes, links_mbps[1:])],
-        "link_overrides": overrides,
-    })
-
-
-def with_host_costs(cpu: dict) -> dict:
-    """A CPU share with its host's costs: the CPU of a message and its stack's rate (unless given) and the cores kept
-    busy."""
-    return {"message_ms": MESSAGE_CPU_MS, "stack_mbps": STACK_MBPS, **cpu, "busy_cores": HOST_BUSY_CORES}
-
-
-def through_stack(mbps: float) -> float:
-    """The rate at which a message crosses a link of `mbps`: the p2p stack's copies and the link's transmission do not
-    overlap (a message's time is the sum of both), so a stack of STACK_MBPS slows even a slow link a little."""
-    return 1.0 / (1.0 / mbps + 1.0 / STACK_MBPS)
-
-
-def link(mbps: float) -> dict:
-    mbps = through_stack(mbps)
-    return {"uplink_mbps": mbps, "downlink_mbps": mbps, "latency_ms": MESSAGE_OVERHEAD_MS / 2}
-
-
 def client_cpu_share() -> dict:
     """This client process's CPU share: in a swarm on one machine its messages compete with the servers' compute."""
     return cpu_share(torch.get_num_threads())
 
 
-def planner_dtype(dtype: str) -> str:
-    return dtype if dtype in ("float16", "bfloat16", "float32") else "float32"
-
-
-def predicted_step_s(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> float:
-    """The simulated time of one step of `rows` rows in `micro_batches` micro-batches (inf if it does not fit)."""
-    return predicted_times(inputs, assignment, rows, micro_batches)["simulated_s"]
-
-
-def predicted_times(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> dict[str, float]:
-    """The planner's closed form (eq. 4) and its event simulation of one step (inf where it does not fit)."""
-    evaluation = evaluate(inputs, assignment, rows, micro_batches)
-    if not evaluation.feasible:
-        return {"closed_form_s": float("inf"), "simulated_s": float("inf")}
-    return {"closed_form_s": evaluation.step_time_s, "simulated_s": simulate(evaluation, cpu_shares(inputs))[1]}

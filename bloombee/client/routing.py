@@ -10,12 +10,12 @@ import hivemind
 
 from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
+from bloombee.planner.chain import SpanFigures, activation_bytes
 from bloombee.protocol import REQUIRED_FEATURES
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
 
-ACTIVATION_BYTES_PER_VALUE = 2
 NO_ROOM_SECONDS = 1000.0  # a server without room for the session is taken only where no other serves its blocks
 
 
@@ -144,9 +144,7 @@ class SequenceManager:
 
     def hop_cost(self, record: ServerRecord, num_blocks: int) -> float:
         """Estimated seconds of one decode step through `num_blocks` blocks of this server, hop included."""
-        transfer = self.hidden_size * ACTIVATION_BYTES_PER_VALUE / record.link_bandwidth
-        compute = num_blocks / max(record.throughput, 1e-9)
-        return self.settings.hop_penalty_seconds + transfer + compute
+        return span_figures(record, num_blocks, self.hidden_size).seconds(1, self.settings.hop_penalty_seconds)
 
     def memory_cost(self, record: ServerRecord, tokens: int) -> float:
         """Seconds added to a server by how full a session of `tokens` tokens would leave it: up to one hop penalty
@@ -159,6 +157,11 @@ class SequenceManager:
             return NO_ROOM_SECONDS
         filled = 1.0 - free_device / record.device_memory_bytes if record.device_memory_bytes else 0.0
         return self.settings.hop_penalty_seconds * filled
+
+
+def span_figures(record: ServerRecord, blocks: int, hidden_size: int) -> SpanFigures:
+    """What the model of the chain takes from a server's record for a span of `blocks` of its blocks."""
+    return SpanFigures(blocks, record.throughput, record.link_bandwidth, activation_bytes(hidden_size, record.dtype))
 
 
 def session_need(record: ServerRecord, tokens: int) -> tuple[int, int] | None:

@@ -2,8 +2,9 @@
 
 from pydantic import BaseModel
 
-from bloombee.client.routing import MissingBlocksError, best_chain, format_ranges, incompatibility
+from bloombee.client.routing import MissingBlocksError, best_chain, format_ranges, incompatibility, span_figures
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
+from bloombee.settings import ClientSettings
 
 
 class ServerStatus(BaseModel):
@@ -61,6 +62,12 @@ def usable(server: ServerStatus) -> bool:
     return server.state == ServerState.ONLINE.value and server.problem is None
 
 
+def announced_cost(record: ServerRecord, blocks: int) -> float:
+    """A span's announced step time at a client's default hop penalty (the status view knows no hidden size, so
+    only hops and compute count)."""
+    return span_figures(record, blocks, 0).seconds(1, ClientSettings().hop_penalty_seconds)
+
+
 def model_status(dht, model: str, prefix: str, num_blocks: int) -> ModelStatus:
     """Read every block's records of `prefix` from the DHT and summarise them."""
     records: dict[str, ServerRecord] = {}
@@ -72,7 +79,7 @@ def model_status(dht, model: str, prefix: str, num_blocks: int) -> ModelStatus:
     uncovered = [block for block in range(num_blocks)
                  if not any(record.start_block <= block < record.end_block for record in online.values())]
     try:
-        spans = best_chain(online, 0, num_blocks, lambda record, blocks: 1.0 + blocks / max(record.throughput, 1e-9), model)
+        spans = best_chain(online, 0, num_blocks, announced_cost, model)
     except MissingBlocksError:
         spans = []
     chain = [f"{span.record.public_name or span.peer_id[-8:]}[{span.start}:{span.end}]" for span in spans]
