@@ -8,6 +8,7 @@ from transformers import LlamaConfig
 
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.planner.chain import predicted_step_s
+from bloombee.planner.inputs import CpuShare
 from bloombee.client.routing import Span
 from bloombee.client.session import InferenceSession
 from bloombee.client.steps import StepStats, split_rows
@@ -23,7 +24,8 @@ CONFIG = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_attention_hea
 
 def profile(mlp_ms: tuple[float, float, float]) -> dict:
     """A planner node as a server announces it: per-block decode ms at micro-batches 1, 4, 16."""
-    return {"gpu": "cpu (float32)", "gpu_memory_gib": 24.0, "host_memory_gib": 24.0,
+    return {"name": "server", "link": {"uplink_mbps": 20.0, "downlink_mbps": 20.0},
+            "gpu": "cpu (float32)", "gpu_memory_gib": 24.0, "host_memory_gib": 24.0,
             "cost": {"table": {"micro_batch": [1, 4, 16], "mlp_ms": list(mlp_ms), "attn_gpu_ms": [0.1, 0.2, 0.5],
                                "attn_cpu_ms": [0.1, 0.2, 0.5]}, "reference_seq_len": 32},
             "compression": {"ratio": 1.1, "compress_mb_per_s": 400.0, "decompress_mb_per_s": 1000.0}}
@@ -35,6 +37,12 @@ def span(start: int, end: int, mbps: float, node: dict | None, features=PROTOCOL
                           version="test", codec_version=CODEC_VERSION, features=features, profile=node,
                           planned_batch_size=planned[0], planned_micro_batches=planned[1])
     return Span(f"peer{start}", start, end, record)
+
+
+def on_cpus(spans: list[Span], hosts: tuple[str, ...]) -> list[Span]:
+    """The same spans, each server computing on one thread of a 2-core CPU of the given host."""
+    return [Span(s.peer_id, s.start, s.end, s.record.model_copy(update={"profile": s.record.profile.model_copy(
+        update={"cpu": CpuShare(host=host, threads=1, cores=2)})})) for s, host in zip(spans, hosts)]
 
 
 def reports(compute_s: list[float]) -> list[HopReport]:
@@ -74,9 +82,7 @@ def test_servers_sharing_a_cpu_slow_each_other_only_while_they_compute_at_once()
     choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
 
     def step_s(host_of, micro_batches: int) -> float:
-        spans = chain(1e5)
-        for span, host in zip(spans, host_of):
-            span.record.profile["cpu"] = {"host": host, "threads": 1, "cores": 2}
+        spans = on_cpus(chain(1e5), host_of)
         return predicted_step_s(choose.chain_inputs(spans, 32, 32), [2, 2, 2], 32, micro_batches)
 
     apart, together = ("h0", "h1", "h2"), ("one", "one", "one")
@@ -243,9 +249,7 @@ def test_a_single_threaded_cpu_server_is_judged_by_its_compute_threads_cpu_time(
     from bloombee.planner import evaluate
 
     choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
-    spans = chain(1e5)
-    for span in spans:
-        span.record.profile["cpu"] = {"host": "h", "threads": 1, "cores": 2}
+    spans = on_cpus(chain(1e5), ("h", "h", "h"))
 
     def computes(inputs) -> list[float]:
         return [stage.t_comp_s for stage in evaluate(inputs, [2, 2, 2], 32, 1).active_stages]

@@ -127,7 +127,7 @@ class MicroBatchChooser:
                 logger.warning("micro_batches=auto: servers %s announce no planner profile, so steps through them "
                                "are not split", ", ".join(sorted(new)))
             return None
-        nodes = [{**span.record.profile, "name": node_name(span), "offload": span.record.offload} for span in spans]
+        nodes = [span.record.profile.node(name=node_name(span), offload=span.record.offload) for span in spans]
         nodes, client_codec = with_measurements(nodes, self.speeds, self.codecs, micro_batch_rows)
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,

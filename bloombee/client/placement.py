@@ -13,6 +13,6 @@ def swarm_nodes(servers: dict[str, ServerRecord]) -> tuple[list[dict[str, Any]],
     nodes, ranges = [], []
     for _, peer_id, record in online:
         name = record.public_name or peer_id
-        nodes.append({**record.profile, "name": name})
+        nodes.append(record.profile.node(name=name))
         ranges.append((name, record.start_block, record.end_block))
     return nodes, ranges

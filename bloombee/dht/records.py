@@ -10,6 +10,7 @@ from hivemind.dht.node import DHTNode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bloombee.dht.security import owner_peer_id
+from bloombee.planner.inputs import NodeProfile
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ServerRecord(BaseModel):
     codecs: tuple[str, ...] = ()
     features: tuple[str, ...] = ()
     maddrs: tuple[str, ...] = ()
-    profile: dict[str, Any] | None = Field(None, description="planner node measured by --profile: memory, cost table, link, codec")
+    profile: NodeProfile | None = Field(None, description="planner node measured by its profile: memory, cost table, link, codec")
     planned_batch_size: int | None = Field(None, ge=1, description="batch size B of the plan this server follows")
     planned_micro_batches: int | None = Field(None, ge=1, description="micro-batches M that plan chose for B")
 

@@ -19,7 +19,7 @@ from .brute import brute_force
 from .costs import StepModel, micro_batch_size
 from .dp import Solution, solve
 from .evaluate import Evaluation, HopResult, StageResult, evaluate
-from .inputs import ModelSpec, NodeSpec, PlanInputError, PlanInputs, WorkloadSpec
+from .inputs import ModelSpec, NodeProfile, NodeSpec, PlanInputError, PlanInputs, WorkloadSpec
 from .model_config import ModelConfigError, load_model_section, model_section_from_config
 from .search import Candidate, Plan, PlanInfeasibleError, plan
 
@@ -30,6 +30,7 @@ __all__ = [
     "HopResult",
     "ModelConfigError",
     "ModelSpec",
+    "NodeProfile",
     "NodeSpec",
     "Plan",
     "PlanInfeasibleError",

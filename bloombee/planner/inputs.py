@@ -265,6 +265,17 @@ class NodeSpec(_Strict):
     cpu: CpuShare | None = None
 
 
+class NodeProfile(NodeSpec):
+    """A server's planner node as its DHT record announces it: measured by its profile on its own host, validated
+    once when the record is read (fields a newer server adds are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    def node(self, **changes: Any) -> dict[str, Any]:
+        """The planner node dict of this profile, with `changes` (a chain's name for it, its offload)."""
+        return {**self.model_dump(exclude_none=True), **changes}
+
+
 class ClientSpec(_Strict):
     name: Literal["client"] = CLIENT
     link: LinkSpec
