@@ -1,6 +1,7 @@
 """Package boundaries: which parts of bloombee may import which (read from the source, imports inside functions too)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,42 @@ def test_the_check_sees_relative_and_function_level_imports(tmp_path):
     module.parent.mkdir(parents=True)
     module.write_text("from .routing import x\nfrom ..server import handler\n\ndef f():\n    import bloombee.dht.records\n")
     assert imported_modules(module, tmp_path) == {"bloombee.client.routing", "bloombee.server", "bloombee.dht.records"}
+
+
+# Only the model of the chain (bloombee.planner) estimates time: elsewhere no code divides by a link's bandwidth or a
+# server's throughput, and no function is a break-even rule of its own.
+RATE_NAMES = re.compile(r"bandwidth|throughput|mbps|slowest|steps_per_s", re.IGNORECASE)
+
+
+def time_estimates(path: Path) -> list[str]:
+    """Where a file outside the planner divides by a rate or defines a break-even rule."""
+    return time_estimates_in(path, PACKAGE.parent)
+
+
+def time_estimates_in(path: Path, root: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and not _is_text(node.right):
+            divisor = ast.unparse(node.right)
+            if RATE_NAMES.search(divisor):
+                found.append(f"{path.relative_to(root)}:{node.lineno} divides by {divisor}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "break_even" in node.name:
+            found.append(f"{path.relative_to(root)}:{node.lineno} defines {node.name}")
+    return found
+
+
+def _is_text(node: ast.expr) -> bool:
+    """A string constant (a path joined with `/`, not a division)."""
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def test_only_the_model_of_the_chain_estimates_time():
+    outside = [path for path in sorted(PACKAGE.rglob("*.py")) if PACKAGE / "planner" not in path.parents]
+    assert [found for path in outside for found in time_estimates(path)] == []
+
+
+def test_the_time_check_sees_a_transfer_time_and_a_rule(tmp_path):
+    module = tmp_path / "bloombee" / "client" / "thing.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("def break_even_rate(a):\n    return a\n\n\ndef f(record, n):\n    return n / record.link_bandwidth\n")
+    assert len(time_estimates_in(module, tmp_path)) == 2

@@ -18,6 +18,7 @@ Both take numbers or numpy arrays (the planner applies the codec rule to every p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,6 +38,18 @@ def compression_pays(bandwidth, ratio, compress_speed, decompress_speed, call_s=
     with np.errstate(invalid="ignore"):
         pays = np.asarray(bandwidth) < codec_break_even(ratio, compress_speed, decompress_speed, call_s, num_bytes)
     return bool(pays) if pays.ndim == 0 else pays
+
+
+def slowest_link_bytes(sent: Sequence[float], bandwidths: Sequence[float]) -> float:
+    """Equation 8's K: bytes moved over each hop, each weighted by the slowest link's bandwidth over that hop's (the
+    bytes it would take the slowest link as long to move)."""
+    slowest = min(bandwidths)
+    return sum(size * slowest / bandwidth for size, bandwidth in zip(sent, bandwidths))
+
+
+def transfer_seconds(num_bytes: float, bandwidth: float) -> float:
+    """Seconds `num_bytes` take on a link of `bandwidth` bytes/s (0 on an unbounded one)."""
+    return num_bytes / bandwidth
 
 
 def speculation_break_even(extra_bytes: float, saved_s: float) -> float:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from bloombee.planner.learning import Recent
-from bloombee.planner.rules import speculation_break_even, speculation_pays
+from bloombee.planner.rules import slowest_link_bytes, speculation_break_even, speculation_pays, transfer_seconds
 from bloombee.speculative.draft import tree_size
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,7 @@ def shrunk(widths: tuple[int, ...], level: int) -> tuple[int, ...]:
 def hop_weighted_bytes(step, bandwidths: list[float]) -> float:
     """Bytes a step moved over each hop (client to first server, ..., last server to client), each weighted by the
     slowest link's bandwidth over that hop's: the bytes it would take the slowest link as long to move."""
-    sent = [step.sent_wire_bytes] + [report.wire_bytes for report in step.reports]
-    slowest = min(bandwidths)
-    return sum(size * slowest / bandwidth for size, bandwidth in zip(sent, bandwidths))
+    return slowest_link_bytes([step.sent_wire_bytes] + [report.wire_bytes for report in step.reports], bandwidths)
 
 
 def chain_bandwidths(client: float, servers: list[float]) -> list[float]:
@@ -148,7 +146,7 @@ class SpeculationSwitch:
 
     def _observe(self, measured: Measured, seconds: float, step, draft_s: float, accepted: float) -> None:
         weighted = hop_weighted_bytes(step, self.bandwidths) if self.bandwidths else 0.0
-        measured.fixed.update(seconds - weighted / self.slowest)
+        measured.fixed.update(seconds - transfer_seconds(weighted, self.slowest))
         measured.weighted_bytes.update(weighted)
         measured.draft_s.update(draft_s)
         measured.accepted.update(accepted)
