@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = commands.add_parser("sweep", help="run every configuration in every environment (root)")
     sweep.add_argument("--model", default="bloombee-tiny",
-                       help="bloombee-tiny, wide (random Llama, hidden 4096; wide:L for L blocks), or a model folder / hub id / alias")
+                       help="bloombee-tiny, wide (random Llama, hidden 4096; wide:L for L blocks), pipeline (hidden 2048, 6 "
+                            "blocks), hop-bound (hidden 2048, MLP 512, 3 blocks: one per server, hops far dearer than "
+                            "blocks), or a model folder / hub id / alias")
     servers = sweep.add_mutually_exclusive_group()
     servers.add_argument("--servers", type=positive_int, default=None, help="split the blocks evenly over N servers (default 3)")
     servers.add_argument("--blocks", help="explicit ranges, one server each: 0:3,3:6,6:8")

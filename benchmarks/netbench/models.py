@@ -1,4 +1,4 @@
-"""The models a sweep runs: bloombee-tiny, a wide random Llama, or any model folder / hub id / alias.
+"""The models a sweep runs: bloombee-tiny, random Llamas (wide, pipeline, hop-bound), or any model folder / hub id / alias.
 
 Random models are saved once (seeded) under benchmarks/results/tmp/netbench-models/ (ignored by
 git) and reused while their spec is unchanged.
@@ -39,6 +39,9 @@ class RandomLlama:
 WIDE = RandomLlama(hidden=4096, layers=3, intermediate=8192, heads=32, kv_heads=8, vocab=512)
 # the micro-batching workload: 6 blocks of ~50M parameters, 8 KB per token per hop at fp32, 16 heads without GQA
 PIPELINE = RandomLlama(hidden=2048, layers=6, intermediate=5504, heads=16, kv_heads=16, vocab=1000)
+# the paper's regime, where a hop costs far more than a block: 3 blocks of ~17M parameters, one per server, so a B=32
+# decode step computes ~25 ms per server here against ~111 ms for its 256 KB at 20 Mbit/s
+HOP_BOUND = RandomLlama(hidden=2048, layers=3, intermediate=512, heads=16, kv_heads=16, vocab=1000)
 # bloombee-tiny's shape (scripts/train_tiny.py), for when the trained model is not there yet.
 TINY_SHAPE = RandomLlama(hidden=256, layers=8, intermediate=688, heads=8, kv_heads=2, vocab=4096)
 
@@ -87,4 +90,8 @@ def resolve(name: str) -> tuple[str, str, str]:
     if lower == "pipeline":
         return str(make_random_llama(PIPELINE)), "pipeline-random-h2048-l6", \
             "random Llama, hidden 2048, intermediate 5504, 16 heads (no GQA), vocab 1000, 6 blocks"
+    if lower == "hop-bound":
+        return str(make_random_llama(HOP_BOUND)), "hop-bound-random-h2048-i512-l3", \
+            "random Llama, hidden 2048, intermediate 512, 16 heads, vocab 1000, 3 blocks (one per server): hops cost far " \
+            "more than blocks"
     return name, Path(name).name or name, "as given"
