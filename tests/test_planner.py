@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import bloombee.planner.dp as dp
 from bloombee.planner import (
     PlanInfeasibleError,
     PlanInputs,
@@ -80,14 +79,6 @@ def test_dp_equals_brute_force(num_nodes, num_blocks):
         _check_against_brute(num_nodes, num_blocks, seed)
 
 
-@pytest.mark.parametrize("num_nodes,num_blocks", SMALL_CASES)
-def test_dp_equals_brute_force_with_large_layers_and_bounds(monkeypatch, num_nodes, num_blocks):
-    """The row-loop layer step and the early-stopping bounds (normally for large N) are exact too."""
-    monkeypatch.setattr(dp, "SMALL_LAYER_CELLS", 0)
-    monkeypatch.setattr(dp, "PRUNE_BOUNDS_MIN_NODES", 0)
-    _check_against_brute(num_nodes, num_blocks, 0)
-
-
 def test_random_generator_covers_the_interesting_cases():
     """The brute-force cases include skipped nodes, offloading, micro-batching, compression and infeasibility."""
     seen = set()
@@ -107,20 +98,6 @@ def test_random_generator_covers_the_interesting_cases():
             if any(s.hop and s.hop.compressed for s in ev.stages) or ev.client_hop.compressed:
                 seen.add("compression")
     assert seen == {"infeasible", "skip", "offload", "micro-batches", "compression"}
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_layer_implementations_and_pruning_agree_on_larger_cases(monkeypatch, seed):
-    inputs = random_inputs(seed + 50, 12, 40)
-    results = []
-    for cells, bounds in ((10**9, 10**9), (0, 10**9), (0, 0), (10**9, 0)):
-        monkeypatch.setattr(dp, "SMALL_LAYER_CELLS", cells)
-        monkeypatch.setattr(dp, "PRUNE_BOUNDS_MIN_NODES", bounds)
-        try:
-            results.append([c.throughput for c in plan(inputs).candidates])
-        except PlanInfeasibleError:
-            results.append(None)
-    assert all(r == results[0] for r in results)
 
 
 def test_compositions_enumerates_every_assignment():
@@ -201,9 +178,11 @@ def test_step_time_formulas():
     mb = evaluate(inputs, [2, 0, 4], 8, 4)
     cycle = max([mb.client_hop.time_s] + [max(s.t_comp_s, s.t_comm_s) for s in mb.active_stages])
     assert mb.cycle_s == cycle
-    assert mb.step_time_s == pytest.approx((4 + 2 - 1) * cycle)
-    # simulated schedule of M = 1 is the plain sum
+    assert mb.step_time_s == pytest.approx(_trip(mb) + (4 - 1) * cycle)  # one micro-batch's trip, then one per cycle
+    # the simulated schedule of M = 1 is the plain sum, of M = 4 (no shared cores) the same closed form but for the
+    # acknowledgements that wait behind a node's own upload
     assert simulate(no_mb)[1] == pytest.approx(no_mb.step_time_s)
+    assert simulate(mb)[1] == pytest.approx(mb.step_time_s, rel=0.02)
 
 
 def test_hop_bandwidth_latency_overrides_and_compression_rule():
@@ -370,34 +349,6 @@ def _trip(evaluation) -> float:
     return evaluation.client_hop.time_s + sum(s.t_comp_s + s.t_comm_s for s in evaluation.active_stages)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_refinement_keeps_the_optimum_and_shortens_the_trip(seed):
-    """refine=True: same throughput; the smallest trip among assignments on at most as many stages
-    as the DP's optimum with every time within its cycle."""
-    inputs = random_inputs(seed + 900, 1 + seed % 4, 3 + seed % 6)
-    for batch in inputs.workload.batch_sizes:
-        for micro in (2, 3, 4):
-            if micro > batch:
-                continue
-            plain = solve(inputs, batch, micro)
-            refined = solve(inputs, batch, micro, refine=True)
-            assert (plain is None) == (refined is None)
-            if plain is None:
-                continue
-            model = StepModel(inputs, batch, micro)
-            first = evaluate(inputs, plain.assignment, batch, micro, step_model=model)
-            best = evaluate(inputs, refined.assignment, batch, micro, step_model=model)
-            assert best.throughput == first.throughput
-            assert best.num_active <= first.num_active and best.cycle_s <= first.cycle_s
-            allowed = [
-                ev
-                for ev in (evaluate(inputs, a, batch, micro, step_model=model) for a in compositions(inputs.num_blocks, len(inputs.nodes)))
-                if ev.feasible and ev.num_active <= first.num_active and ev.cycle_s <= first.cycle_s
-            ]
-            assert _trip(best) == pytest.approx(min(_trip(ev) for ev in allowed), rel=1e-12)
-            assert _trip(best) <= _trip(first) * (1 + 1e-12)
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_lean_comp_table_matches_stage_arrays(seed):
     inputs = random_inputs(seed + 300, 1 + seed % 5, 1 + seed % 13)
@@ -408,3 +359,20 @@ def test_lean_comp_table_matches_stage_arrays(seed):
             full = model.table()
             assert np.array_equal(comp, full.comp)
             assert np.array_equal(caps, model.capacity(full))
+
+
+def test_the_closed_form_and_the_event_simulation_agree_on_a_grid_of_chains():
+    """The DP's closed form (trip + (M - 1) x cycle) is the flow shop the simulation runs; the simulation adds only
+    the acknowledgements that wait behind a node's own upload. On random chains (no shared cores) it is never faster
+    than the closed form and at most 20 % slower (eq. 4's (M + N' - 1) x cycle was up to 2x off)."""
+    ratios = []
+    for seed in range(40):
+        inputs = random_inputs(seed + 700, 1 + seed % 4, 2 + seed % 7)
+        for batch in inputs.workload.batch_sizes:
+            for micro in (m for m in (1, 2, 4, 8) if m <= batch):
+                for assignment in compositions(inputs.num_blocks, len(inputs.nodes)):
+                    ev = evaluate(inputs, assignment, batch, micro)
+                    if ev.feasible:
+                        ratios.append(simulate(ev)[1] / ev.step_time_s)
+    assert len(ratios) > 300
+    assert 1 - 1e-9 <= min(ratios) and max(ratios) <= 1.2

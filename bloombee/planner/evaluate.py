@@ -5,13 +5,16 @@ Without micro-batching (M = 1) a decoding step of the whole batch walks the chai
     T_step = T_hop(client -> first) + sum over active stages (T_comp(i) + T_comm(i))
 
 where T_comm(i) is the hop from stage i to the next active stage (the last one's goes back to the
-client). With M >= 2 micro-batches the transfers overlap the compute (paper, eq. 4):
+client). With M >= 2 micro-batches the transfers overlap the compute: M identical micro-batches go
+through the chain's resources (the client's uplink, each stage's compute and uplink) in order, so
 
-    T_step = (M + N' - 1) * max(T_hop(client -> first), max_i max(T_comp(i), T_comm(i)))
+    T_step = S + (M - 1) * C,   C = max(T_hop(client -> first), max_i max(T_comp(i), T_comm(i)))
 
-with N' the number of active stages; the client's own uplink is part of the max (it is a stage of
-the pipeline that computes nothing). Throughput = B / T_step tokens per second (one token per
-sequence per step).
+with S the one-micro-batch sum above: the makespan of a flow shop of identical jobs, which the
+event simulation (``schedule.simulate``) reproduces before processes share cores. (The paper's
+eq. 4, (M + N' - 1) * C, charges every stage the bottleneck's time in the fill and drain: up to 2x
+the simulated step where hops are the bottleneck.) Throughput = B / T_step tokens per second (one
+token per sequence per step).
 """
 
 from __future__ import annotations
@@ -198,28 +201,18 @@ def evaluate(
 
     # the same order of operations as the dynamic program, so the two agree to the last bit
     stages = [result.stages[j] for j in active]
-    if micro_batches == 1:
-        total = result.client_hop.time_s
-        for stage in stages:
-            total = total + stage.t_comp_s
-            total = total + stage.t_comm_s
-        result.step_time_s = total
-        worst = max(stages, key=lambda s: s.t_comp_s + s.t_comm_s)
-        if result.client_hop.time_s > worst.t_comp_s + worst.t_comm_s:
-            result.bottleneck = f"{CLIENT} -> {result.client_hop.dst} (transfer)"
-        else:
-            result.bottleneck = worst.node
-    else:
-        cycle = result.client_hop.time_s
-        label = f"{CLIENT} -> {result.client_hop.dst} (transfer)"
-        for stage in stages:
-            if stage.t_comp_s > cycle:
-                cycle, label = stage.t_comp_s, f"{stage.node} (compute)"
-            if stage.t_comm_s > cycle:
-                cycle, label = stage.t_comm_s, f"{stage.node} -> {stage.hop.dst} (transfer)"
-        result.cycle_s = cycle
-        result.step_time_s = (micro_batches + len(stages) - 1) * cycle
-        result.bottleneck = label
+    total = cycle = result.client_hop.time_s
+    label = f"{CLIENT} -> {result.client_hop.dst} (transfer)"
+    for stage in stages:
+        total = total + stage.t_comp_s
+        total = total + stage.t_comm_s
+        if stage.t_comp_s > cycle:
+            cycle, label = stage.t_comp_s, f"{stage.node} (compute)"
+        if stage.t_comm_s > cycle:
+            cycle, label = stage.t_comm_s, f"{stage.node} -> {stage.hop.dst} (transfer)"
+    result.cycle_s = cycle
+    result.step_time_s = total if micro_batches == 1 else total + (micro_batches - 1) * cycle
+    result.bottleneck = label
     result.throughput = batch_size / result.step_time_s if result.step_time_s > 0 else math.inf
     result.feasible = True
     return result

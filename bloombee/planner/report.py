@@ -82,7 +82,7 @@ def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineRes
         "",
     ]
     lines += stage_table(ev, {node.name: (node.gpu or "")[:10] for node in inputs.nodes})
-    kind = "sum of stage and hop times" if ev.micro_batches == 1 else f"(M + N' - 1) x cycle {ev.cycle_s * 1e3:.2f} ms"
+    kind = "sum of stage and hop times" if ev.micro_batches == 1 else f"trip + (M - 1) x cycle {ev.cycle_s * 1e3:.2f} ms"
     lines += [
         "  (* bottleneck)",
         "",

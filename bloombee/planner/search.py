@@ -68,15 +68,10 @@ def plan(inputs: PlanInputs) -> Plan:
     """The best feasible plan over the workload's candidate batch sizes and micro-batch counts.
 
     Highest throughput wins; ties go to fewer active stages, then fewer micro-batches, then the
-    smaller batch. With micro-batching the winner's assignment is then refined (``solve(...,
-    refine=True)``) to an equally fast one whose stage and hop times add up least. Raises
-    PlanInfeasibleError (saying which constraint binds) if nothing fits.
+    smaller batch. Raises PlanInfeasibleError (saying which constraint binds) if nothing fits.
     """
     started = time.perf_counter()
     candidates, solution, model = search_candidates(inputs, solve)
-    if solution.micro_batches > 1:
-        # among the assignments with this optimal throughput, the one with the shortest micro-batch trip
-        solution = solve(inputs, solution.batch_size, solution.micro_batches, step_model=model, refine=True)
     return plan_from(inputs, solution, model, candidates, solve_seconds=time.perf_counter() - started)
 
 
