@@ -64,17 +64,18 @@ def test_cli_check(tmp_path, capsys):
     assert not (tmp_path / "never").exists()
 
 
-def test_specs_and_templates_are_package_data():
+def test_specs_and_templates_ship_with_the_package():
+    """In a checkout they are the repository's specs/ and templates/; setup.py maps them into the package and
+    pyproject.toml's package-data globs ship every file (tests/test_package.py builds a wheel and runs from it)."""
     tomllib = pytest.importorskip("tomllib")
-    import bloombee.models
-
-    package = Path(bloombee.models.__file__).parent
-    assert SPECS_DIR.parent == TEMPLATES_DIR.parent == MODELS_DIR == package
-    globs = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = globs["bloombee.models"]
-    for path in sorted(SPECS_DIR.iterdir()) + sorted(TEMPLATES_DIR.iterdir()):
-        relative = path.relative_to(package).as_posix()
-        assert any(fnmatch(relative, glob) for glob in shipped), f"{relative} is not shipped with the package"
+    root = MODELS_DIR.parents[1]
+    assert (SPECS_DIR, TEMPLATES_DIR) == (root / "specs", root / "templates")
+    setup_py = (root / "setup.py").read_text()
+    assert '"bloombee.models.specs": "specs"' in setup_py and '"bloombee.models.templates": "templates"' in setup_py
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for folder, package in ((SPECS_DIR, "bloombee.models.specs"), (TEMPLATES_DIR, "bloombee.models.templates")):
+        for path in sorted(folder.iterdir()):
+            assert any(fnmatch(path.name, glob) for glob in globs[package]), f"{path} is not shipped with the package"
 
 
 def test_cli_renders_from_given_folders_anywhere(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,8 @@
+import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,32 @@ def test_top_level_import_is_light_and_names_the_model_classes():
             "assert AutoDistributedModel is AutoDistributedModelForCausalLM is DistributedModelForCausalLM")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_wheel_ships_specs_and_templates_and_codegen_runs_from_it(tmp_path):
+    """specs/ and templates/ sit at the repository root; a built wheel carries them as bloombee/models/specs and
+    bloombee/models/templates, and `bloombee-codegen --check` run from the unpacked wheel (outside the checkout)
+    finds them and agrees with the wheel's generated packages."""
+    root = Path(bloombee.__file__).resolve().parents[1]
+    source, wheels, installed = tmp_path / "source", tmp_path / "wheels", tmp_path / "installed"
+    for name in ("bloombee", "specs", "templates"):  # a copy, so that no stale build/ of the checkout leaks in
+        shutil.copytree(root / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy(root / name, source / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-w", str(wheels), str(source)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = wheels.glob("bloombee-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(installed)
+    shipped = installed / "bloombee" / "models"
+    assert {p.name for p in (shipped / "specs").glob("*.yaml")} == {p.name for p in (root / "specs").glob("*.yaml")}
+    assert {p.name for p in (shipped / "templates").iterdir()} == {p.name for p in (root / "templates").iterdir()}
+    code = ("import bloombee.models.codegen as c; from bloombee.cli.codegen import main; "
+            f"assert c.SPECS_DIR == c.MODELS_DIR / 'specs' and str(c.MODELS_DIR).startswith({str(installed)!r}); "
+            "main(['--check'])")
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "families up to date" in result.stdout

@@ -1,5 +1,5 @@
-"""`bloombee-codegen`: render every <family>.yaml spec into a <family>/ package (default: the installed
-bloombee/models/specs into bloombee/models)."""
+"""`bloombee-codegen`: render every <family>.yaml spec into a <family>/ package (default: the specs/ folder shipped
+with bloombee, the repository's specs/ in a checkout, into bloombee/models)."""
 
 import sys
 from pathlib import Path
@@ -9,10 +9,10 @@ from bloombee.cli.common import ArgumentParser, add_common_flags, parse_args, se
 
 def main(argv=None) -> None:
     parser = ArgumentParser(prog="bloombee-codegen", description=__doc__)
-    parser.add_argument("--specs", type=Path, help="folder of <family>.yaml specs (default: the installed "
-                        "bloombee/models/specs)")
-    parser.add_argument("--templates", type=Path, help="folder of *.py.j2 templates (default: the installed "
-                        "bloombee/models/templates)")
+    parser.add_argument("--specs", type=Path, help="folder of <family>.yaml specs (default: the repository's specs/, "
+                        "shipped as bloombee/models/specs)")
+    parser.add_argument("--templates", type=Path, help="folder of *.py.j2 templates (default: the repository's "
+                        "templates/, shipped as bloombee/models/templates)")
     parser.add_argument("--out", type=Path, help="folder receiving one package per family (default: the installed "
                         "bloombee/models)")
     parser.add_argument("--check", action="store_true",

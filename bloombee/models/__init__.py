@@ -1,6 +1,6 @@
 """Model families: the registry mapping a transformers ``model_type`` to a generated family package.
 
-Families are the subpackages generated from ``bloombee/models/specs/<family>.yaml`` by ``bloombee-codegen``;
+Families are the subpackages generated from ``specs/<family>.yaml`` (at the repository root) by ``bloombee-codegen``;
 each exposes ``FAMILY`` (a ``bloombee.models.core.Family``). Adding one needs no edit here.
 """
 
@@ -11,7 +11,7 @@ import pkgutil
 
 from bloombee.models.core.family import Family
 
-_NOT_FAMILIES = {"core"}  # specs/ and templates/ hold no __init__.py, so are no packages
+_NOT_FAMILIES = {"core"}  # an installed wheel's specs/ and templates/ hold no __init__.py, so are never listed
 _registry: dict[str, Family] | None = None
 
 

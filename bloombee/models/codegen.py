@@ -1,7 +1,8 @@
 """Render every ``specs/<family>.yaml`` through ``templates/*.py.j2`` into a ``<family>/`` package.
 
-Specs and templates are package data of ``bloombee.models`` (``bloombee/models/specs``, ``bloombee/models/templates``),
-so the defaults work from an installed package as from a checkout; the generated packages land beside them.
+Specs and templates live at the repository root (``specs/``, ``templates/``). An installed wheel carries them inside
+the package as ``bloombee/models/specs`` and ``bloombee/models/templates`` (see ``setup.py``), so the defaults work from
+an installed package as from a checkout. The generated packages land in ``bloombee/models``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ from bloombee.models.spec import FamilySpec, load_spec
 logger = logging.getLogger(__name__)
 
 MODELS_DIR = Path(__file__).resolve().parent
-SPECS_DIR = MODELS_DIR / "specs"
-TEMPLATES_DIR = MODELS_DIR / "templates"
+
+
+def _data_dir(name: str) -> Path:
+    """``bloombee/models/<name>`` in an installed wheel; ``<repository>/<name>`` in a checkout (editable or not)."""
+    installed = MODELS_DIR / name
+    return installed if installed.is_dir() else MODELS_DIR.parents[1] / name
+
+
+SPECS_DIR = _data_dir("specs")
+TEMPLATES_DIR = _data_dir("templates")
 GENERATED_FILES = ("config.py", "block.py", "model.py", "__init__.py")
 LINE_WIDTH = 120
 

@@ -1,4 +1,5 @@
-"""The model-family spec schema (``bloombee/models/specs/<family>.yaml``), validated before any code is generated."""
+"""The model-family spec schema (``specs/<family>.yaml`` at the repository root), validated before any code is
+generated."""
 
 from __future__ import annotations
 
