@@ -5,7 +5,7 @@ figures) with their compute speeds and codec figures measured in the run's earli
 true shaped rates and the step's own micro-batch count go through the same code the client's
 `micro_batches="auto"` uses (`bloombee.planner.chain.chain_inputs`, `ComputeSpeeds`,
 `CodecFigures` and the planner's `evaluate` / `schedule.simulate`). Both of the planner's estimates are kept: its
-closed form (eq. 4) and its event simulation.
+closed form and its event simulation.
 """
 
 from __future__ import annotations

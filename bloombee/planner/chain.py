@@ -137,7 +137,7 @@ def predicted_step_s(inputs: PlanInputs, assignment: list[int], rows: int, micro
 
 
 def predicted_times(inputs: PlanInputs, assignment: list[int], rows: int, micro_batches: int) -> dict[str, float]:
-    """The planner's closed form (eq. 4) and its event simulation of one step (inf where it does not fit)."""
+    """The planner's closed form and its event simulation of one step (inf where it does not fit)."""
     evaluation = evaluate(inputs, assignment, rows, micro_batches)
     if not evaluation.feasible:
         return {"closed_form_s": float("inf"), "simulated_s": float("inf")}

@@ -5,13 +5,11 @@ last one's goes back to the client). Each micro-batch is sent by the client, com
 sent on, computed by stage 2, ... and sent back; every resource handles one micro-batch at a time,
 in order. Compute and transfers of different micro-batches overlap (the paper's Fig. 3).
 
-The planner's objective is the closed form of ``evaluate`` (eq. 4); the simulation is what
-``--plot`` draws, and its makespan is reported alongside. The two agree for M = 1. For M >= 2 the
-simulated makespan of identical micro-batches through 2N' + 1 serial resources is
-sum(all times) + (M - 1) * max(time), which is below eq. 4's (M + N' - 1) * max when compute and
-transfer are unbalanced and above it when every stage is close to the bottleneck in both. Nodes that
-compute on the CPU of one machine share its cores while their micro-batches overlap (processor
-sharing), which the simulation models when given the nodes' CPU shares and eq. 4 does not. There,
+The planner's objective is the closed form of ``evaluate``: the makespan of identical micro-batches
+through 2N' + 1 serial resources, sum(one micro-batch's times) + (M - 1) * max(time), which this
+simulation reproduces but for what follows. Nodes that compute on the CPU of one machine share its
+cores while their micro-batches overlap (processor sharing), which the simulation models when given
+the nodes' CPU shares and the closed form does not. There,
 each message also costs CPU at both ends of its hop (``CpuShare.message_ms``: kinds "send" and
 "receive"), taken in turns with the same process's compute (one interpreter) and shared with the
 host's other processes, and so does the share of a transfer that its ends' p2p stacks take
