@@ -24,7 +24,7 @@ from bloombee.planner import PlanInfeasibleError, PlanInputError, PlanInputs, ba
 from bloombee.planner.inputs import read_input_file
 from bloombee.planner.model_config import ModelConfigError, load_model_section
 from bloombee.planner.placement import current_assignment
-from bloombee.planner.report import json_report, text_report
+from bloombee.planner.report import json_report, plot_title, simulated_throughput, text_report
 from bloombee.planner.schedule import cpu_shares, plot_schedule, simulate
 
 
@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--nodes", "--input", dest="input", help="YAML/JSON planner input file")
-    source.add_argument("--initial-peers", nargs="+", help="plan for the live swarm: servers started with --profile")
+    source.add_argument("--initial-peers", nargs="+",
+                        help="plan for the live swarm from the profiles its online servers announce (every server "
+                             "measures and announces one unless started with --no-profile)")
     parser.add_argument("--client-uplink-mbps", type=float, default=100.0, help="with --initial-peers: the client's uplink, Mbit/s (default: %(default)s)")
     parser.add_argument("--client-downlink-mbps", type=float, default=100.0,
                         help="with --initial-peers: the client's downlink, Mbit/s (default: %(default)s)")
@@ -59,7 +61,7 @@ def swarm_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[st
     """A planner input from the live swarm's DHT records, and the servers' current ranges."""
     if not args.model:
         raise PlanInputError("--initial-peers needs --model (the model whose servers to plan for)")
-    from bloombee.client.placement import swarm_nodes
+    from bloombee.client.placement import swarm_dtype, swarm_nodes
     from bloombee.dht.peers import start_dht
     from bloombee.dht.records import fetch_records
     from bloombee.loading import dht_prefix
@@ -75,9 +77,9 @@ def swarm_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[st
     nodes, ranges = swarm_nodes(servers)
     if not nodes:
         raise PlanInputError(f"no online server of {args.model} announces a profile ({len(servers)} servers found); "
-                             "start servers with `bloombee-server --profile`")
+                             "restart the servers without --no-profile")
     link = {"uplink_mbps": args.client_uplink_mbps, "downlink_mbps": args.client_downlink_mbps, "latency_ms": args.client_latency_ms}
-    return {"model": model, "client": {"link": link}, "nodes": nodes}, ranges
+    return {"model": model, "workload": {"dtype": swarm_dtype(servers)}, "client": {"link": link}, "nodes": nodes}, ranges
 
 
 def load_inputs(args: argparse.Namespace, raw: dict[str, Any] | None = None) -> PlanInputs:
@@ -100,14 +102,24 @@ def load_inputs(args: argparse.Namespace, raw: dict[str, Any] | None = None) -> 
     return PlanInputs.from_dict(raw, overrides={"workload": workload} if workload else None, source=args.input or "the swarm")
 
 
-def current_layout(inputs: PlanInputs, ranges: list[tuple[str, int, int]], best) -> dict[str, Any]:
+def current_layout(inputs: PlanInputs, ranges: list[tuple[str, int, int]], best, cpus) -> dict[str, Any]:
     """The swarm's current assignment scored by the same model as the plan (or why it cannot be)."""
     assignment, reason = current_assignment(ranges, inputs.model.num_blocks)
     if assignment is None:
         return {"assignment": None, "reason": reason}
     evaluation = evaluate(inputs, assignment, best.batch_size, best.micro_batches)
+    throughput = simulated_throughput(evaluation, simulate(evaluation, cpus)[1]) if evaluation.feasible else None
     return {"assignment": assignment, "feasible": evaluation.feasible, "reason": evaluation.reason,
-            "throughput_tokens_per_s": evaluation.throughput if evaluation.feasible else None}
+            "throughput_tokens_per_s": throughput}
+
+
+def current_text(current: dict[str, Any], best, cpus) -> str:
+    """One line comparing the swarm's current layout with the plan, both over their simulated steps."""
+    estimate = current.get("throughput_tokens_per_s")
+    if not estimate:
+        return f"current swarm layout {current['assignment']}: {current['reason']}"
+    planned = simulated_throughput(best.evaluation, simulate(best.evaluation, cpus)[1])
+    return f"current swarm layout {current['assignment']}: {estimate:.1f} tokens/s (plan: {planned:.1f})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,26 +144,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     others = baselines(inputs)
     cpus = cpu_shares(inputs)
     if args.plot:
-        simulated = plot_schedule(best.evaluation, args.plot, cpus=cpus)
-    else:
-        simulated = simulate(best.evaluation, cpus)[1]
-    current = current_layout(inputs, ranges, best) if ranges is not None else None
+        plot_schedule(best.evaluation, args.plot, plot_title(best.evaluation, simulate(best.evaluation, cpus)[1]), cpus)
+    current = current_layout(inputs, ranges, best, cpus) if ranges is not None else None
     if args.json:
-        report = json_report(inputs, best, others, simulated)
+        report = json_report(inputs, best, others, cpus)
         report["feasible"] = True
         if args.plot:
             report["plot"] = args.plot
         if current is not None:
             report["current"] = current
         print(json.dumps(report, indent=2))
-    else:
-        print(text_report(inputs, best, others, simulated))
-        if current is not None:
-            estimate = current.get("throughput_tokens_per_s")
-            print(f"current swarm layout {current['assignment']}: "
-                  + (f"{estimate:.1f} tokens/s estimated (plan: {best.throughput:.1f})" if estimate else current["reason"]))
-        if args.plot:
-            print(f"schedule plot: {args.plot}")
+        return 0
+    print(text_report(inputs, best, others, cpus))
+    if current is not None:
+        print(current_text(current, best, cpus))
+    if args.plot:
+        print(f"schedule plot: {args.plot}")
     return 0
 
 
