@@ -158,3 +158,23 @@ def test_small_model_sizes_and_device_names_are_shown_whole(tmp_path, capsys):
     assert "0.00 GiB" not in out and "GPU mem" not in out and "device mem" in out
     assert out.count("cpu (bfloat16)") == len(raw["nodes"])
     assert size_text(1.07e9) == "1020 MiB" and size_text(3 * 2**30) == "3.00 GiB" and size_text(512) == "512 B"
+
+
+def test_measure_prints_a_node_to_paste_into_nodes_yaml(tmp_path, capsys):
+    """--measure times one block of the tiny model here; two copies of its node make a nodes.yaml that plans."""
+    from bloombee.planner import NodeSpec
+
+    result = _run("--measure", "--model", "bloombee-tiny", "--measure-sizes", "1", "2", "--seq-len", "8", "--name", "here")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("# here timed on one block of bloombee-tiny") and "&id" not in result.stdout
+    [node] = yaml.safe_load(result.stdout)["nodes"]
+    spec = NodeSpec.model_validate(node)
+    assert spec.name == "here" and spec.cost.table.micro_batch == [1, 2] and spec.cost.reference_seq_len == 8
+    assert all(ms > 0 for ms in spec.cost.table.mlp_ms) and spec.gpu.startswith("cpu (") and spec.link.uplink_mbps == 100
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"client": {"link": {"uplink_mbps": 100, "downlink_mbps": 100, "latency_ms": 10}},
+                                     "nodes": [{**node, "name": "a"}, {**node, "name": "b"}]}))
+    assert main(["--nodes", str(nodes), "--model", "bloombee-tiny", "--batch-sizes", "1", "2"]) == 0
+    assert "throughput:" in capsys.readouterr().out
+    assert main(["--measure"]) == 2
+    assert "--measure needs --model" in capsys.readouterr().err
