@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,10 +123,10 @@ def test_one_headline_figure_from_the_simulated_step(tmp_path):
     png = tmp_path / "e5.png"
     out = _run("--nodes", path, "--plot", str(png)).stdout
     batch, simulated_ms = report["plan"]["batch_size"], report["simulated_step_s"] * 1e3
-    headline = re.search(r"^throughput: ([\d.]+) tokens/s \(B=(\d+) tokens per simulated step of ([\d.]+) ms\)", out, re.M)
+    headline = re.search(r"^throughput: ([\d.]+) tokens/s \(B=(\d+) tokens per simulated step of ([\d.]+) ms\)", out, re.MULTILINE)
     assert headline and float(headline[1]) == pytest.approx(batch / simulated_ms * 1e3, abs=0.05)
     assert float(headline[3]) == pytest.approx(simulated_ms, abs=0.05)
-    closed = re.search(r"^closed-form estimate the DP optimised: ([\d.]+) ms/step", out, re.M)
+    closed = re.search(r"^closed-form estimate the DP optimised: ([\d.]+) ms/step", out, re.MULTILINE)
     assert closed and float(closed[1]) == pytest.approx(report["closed_form_step_s"] * 1e3, abs=0.05)
     assert "estimated throughput" not in out and out.count("tokens/s (B=") == 1
     assert plot_title(_evaluation(report), report["simulated_step_s"]).startswith(
@@ -178,3 +178,5 @@ def test_measure_prints_a_node_to_paste_into_nodes_yaml(tmp_path, capsys):
     assert "throughput:" in capsys.readouterr().out
     assert main(["--measure"]) == 2
     assert "--measure needs --model" in capsys.readouterr().err
+    assert main(["--measure", "--model", "bloombee-tin"]) == 2
+    assert "did you mean bloombee-tiny?" in capsys.readouterr().err

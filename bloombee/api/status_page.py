@@ -17,8 +17,8 @@ def coverage_svg(status: ModelStatus) -> str:
     none), then one bar per server."""
     scale = (WIDTH - LEFT - 10) / max(status.num_blocks, 1)
     height = ROW * (len(status.servers) + 2) + 10
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
-             f'aria-label="block coverage of {escape(status.model)}">']
+    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
+              f'aria-label="block coverage of {escape(status.model)}">')]
     parts += block_axis(status.num_blocks, scale)
     parts += count_row(status.servers_per_block(), scale, 4 + ROW)
     for row, server in enumerate(status.servers, start=2):
@@ -65,9 +65,9 @@ def server_bar(server: ServerStatus, scale: float, y: float) -> list[str]:
     x, width = LEFT + server.start_block * scale, (server.end_block - server.start_block) * scale - 1
     label = f"{server.label} {server.start_block}:{server.end_block} {server.state}"
     return [f'<text x="4" y="{y + ROW - 10}" font-size="12">{escape(server.label)}</text>',
-            f'<rect class="server" data-name="{escape(server.label)}" data-state="{escape(server.state)}" '
-            f'x="{x:.1f}" y="{y}" width="{width:.1f}" height="{ROW - 6}" rx="4" fill="{server_color(server)}">'
-            f'<title>{escape(label)}</title></rect>',
+            (f'<rect class="server" data-name="{escape(server.label)}" data-state="{escape(server.state)}" '
+             f'x="{x:.1f}" y="{y}" width="{width:.1f}" height="{ROW - 6}" rx="4" fill="{server_color(server)}">'
+             f'<title>{escape(label)}</title></rect>'),
             f'<text x="{x + 6:.1f}" y="{y + ROW - 10}" font-size="11" fill="white">{escape(label)}</text>']
 
 

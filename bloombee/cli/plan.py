@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model alias, hub id or local folder; replaces the file's model section (default: the file's)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="candidate batch sizes, sequences (default: the file's, else the planner's)")
     parser.add_argument("--micro-batches", type=int, nargs="+", metavar="M", help="candidate micro-batch counts (default: the file's, else the planner's)")
-    parser.add_argument("--seq-len", type=int, help="context length s the KV cache is sized for, tokens (default: the file's; with --measure the context "
-                             "its attention is timed over, default 32)")
+    parser.add_argument("--seq-len", type=int,
+                        help="context length s the KV cache is sized for, tokens (default: the file's; with --measure "
+                             "the context its attention is timed over, default 32)")
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                         help="dtype of weights and activations (default: the file's; with --measure the checkpoint's)")
     parser.add_argument("--compression", choices=["auto", "on", "off"],
@@ -143,7 +144,12 @@ def measured_node(args: argparse.Namespace) -> str:
     """This machine as a nodes.yaml node (YAML), timed on one block of --model."""
     if not args.model:
         raise PlanInputError("--measure needs --model (the model whose block to time)")
+    import torch
+
     from bloombee.server.profile import MICRO_BATCHES, measure_node
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise PlanInputError(f"--device {args.device}: torch sees no CUDA GPU on this machine; measure with --device cpu")
 
     node = measure_node(args.model, args.name or socket.gethostname(), args.device, args.dtype or "auto",
                         args.seq_len or 32, tuple(args.measure_sizes or MICRO_BATCHES), args.link_mbps)
@@ -176,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.measure:
         try:
             print(measured_node(args), end="")
-        except (PlanInputError, ModelConfigError) as exc:
+        except (PlanInputError, ModelConfigError, FileNotFoundError) as exc:
             print(f"bloombee-plan: {exc}", file=sys.stderr)
             return 2
         return 0

@@ -159,5 +159,6 @@ def serve(args: argparse.Namespace, settings: ServerSettings, dht, planned: tupl
     stop_if_signalled()
     asyncio.run(server.run())
 
+
 if __name__ == "__main__":
     main()

@@ -131,10 +131,10 @@ def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineRes
     lines += [
         "  (* bottleneck)",
         "",
-        f"chosen: batch size B={plan.batch_size}, M={plan.micro_batches} micro-batch(es) of {plan.micro_batch_size}, "
-        f"{ev.num_active} active stage(s), assignment {plan.assignment}",
-        f"throughput: {throughput:.1f} tokens/s (B={plan.batch_size} tokens per simulated step of "
-        f"{simulated_s * 1e3:.1f} ms); bottleneck: {ev.bottleneck}",
+        (f"chosen: batch size B={plan.batch_size}, M={plan.micro_batches} micro-batch(es) of {plan.micro_batch_size}, "
+         f"{ev.num_active} active stage(s), assignment {plan.assignment}"),
+        (f"throughput: {throughput:.1f} tokens/s (B={plan.batch_size} tokens per simulated step of "
+         f"{simulated_s * 1e3:.1f} ms); bottleneck: {ev.bottleneck}"),
         _closed_form(ev),
     ]
     compressed = [f"{h.src}->{h.dst}" for h in _hops(ev) if h.compressed]
