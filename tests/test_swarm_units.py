@@ -78,6 +78,11 @@ def test_blocks_held_only_by_banned_servers_are_explained_as_such():
     assert message.startswith("blocks 3..5 of model 'm' are served only by b (blocks 3:6), which stopped answering")
     assert "banned by this client for up to 30 s more; wait for it to recover and retry, or start another server" in message
     assert "--blocks 3:6" in message and "not served by any usable online server" not in message
+    records = [dict(records) for records in manager._records]
+    for block in range(3, 6):  # b's record is missing from a read (its own DHT node, frozen with it, held it)
+        manager._records[block] = {}
+    assert str(pytest.raises(MissingBlocksError, manager.make_route, 0, 8).value) == message
+    manager._records = records
     manager._records[6:] = [{}, {}]  # server c left: blocks 6..7 have no server at all
     message = str(pytest.raises(MissingBlocksError, manager.make_route, 0, 8).value)
     assert message.endswith("(blocks 6..7 are not served by any online server at all)")

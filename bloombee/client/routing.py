@@ -57,6 +57,7 @@ class SequenceManager:
         self._records: list[dict[str, ServerRecord]] = [{} for _ in range(num_blocks)]
         self._updated_at = float("-inf")
         self._bans: dict[str, tuple[float, int]] = {}
+        self._banned_records: dict[str, ServerRecord] = {}  # each banned server's record when it was banned
         self._incompatible: set[str] = set()  # servers skipped as incompatible, logged once
         self._held: dict[str, tuple[int, int]] = {}  # bytes this client's sessions took or gave back since the last read
         self._lock = threading.Lock()
@@ -80,6 +81,9 @@ class SequenceManager:
             _, failures = self._bans.get(peer_id, (0.0, 0))
             seconds = min(self.settings.ban_base_seconds * 2**failures, self.settings.ban_max_seconds)
             self._bans[peer_id] = (time.monotonic() + seconds, failures + 1)
+            record = next((records[peer_id] for records in self._records if peer_id in records), None)
+            if record is not None:
+                self._banned_records[peer_id] = record
         logger.warning("Banned server %s for %.0f s", peer_id, seconds)
 
     def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
@@ -103,10 +107,13 @@ class SequenceManager:
         return self.allowed_servers is None or peer_id in self.allowed_servers or record.public_name in self.allowed_servers
 
     def banned_servers(self) -> dict[str, tuple[ServerRecord, float]]:
-        """Servers this client would use but banned: peer id -> (record, seconds of ban left)."""
+        """Servers this client would use but banned: peer id -> (record, seconds of ban left). A frozen server's record
+        can be missing from a read (its own DHT node held it): its record from when it was banned stands in."""
         with self._lock:
-            return {peer_id: (record, self.ban_left(peer_id)) for records in self._records
-                    for peer_id, record in records.items() if self.could_use(peer_id, record) and self.ban_left(peer_id) > 0}
+            current = {peer_id: record for records in self._records for peer_id, record in records.items()}
+            records = {**self._banned_records, **current}
+            return {peer_id: (record, self.ban_left(peer_id)) for peer_id, record in records.items()
+                    if self.ban_left(peer_id) > 0 and self.could_use(peer_id, record)}
 
     def usable_servers(self) -> dict[str, ServerRecord]:
         """Usable servers' records, their free bytes net of what this client's sessions took since they were read."""
