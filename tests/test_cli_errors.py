@@ -118,6 +118,8 @@ def test_plan_node_without_blocks_or_unknown_is_refused_before_joining(tmp_path)
     assert_short_error(run(*common), "--plan needs --node NAME")
     plan.write_text("not json")
     assert_short_error(run(*common, "--node", "a"), f"--plan {plan} is not JSON")
+    assert_short_error(run("bloombee-server", "--model", MODEL, "--plan", str(tmp_path / "none.json"), "--node", "a",
+                           "--initial-peers", FAKE_PEER), "none.json: cannot read it (No such file or directory)")
 
 
 def test_memory_sizes_and_budgets_that_cannot_hold_the_weights():

@@ -104,6 +104,9 @@ def read_plan(args: argparse.Namespace) -> tuple[int, int, float, tuple[int, int
         raise UsageError("--plan needs --node NAME (the node's name in the plan)")
     try:
         report = json.loads(Path(args.plan).read_text())
+    except OSError as error:
+        raise UsageError(f"--plan {args.plan}: cannot read it ({error.strerror}); pass the file "
+                         "`bloombee-plan ... --json` wrote") from None
     except json.JSONDecodeError as error:
         raise UsageError(f"--plan {args.plan} is not JSON ({error}); write it with `bloombee-plan ... --json > "
                          f"{args.plan}`") from None
