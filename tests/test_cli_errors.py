@@ -1,6 +1,7 @@
 """Mistakes a new user makes with the console scripts: one or two lines naming what was wrong and the fix, a non-zero
 exit, a traceback only with --log-level debug; Ctrl-C exits 130; every --help answers without torch."""
 
+import json
 import os
 import signal
 import subprocess
@@ -102,6 +103,23 @@ def test_num_blocks_above_the_models_blocks():
 
 def test_blocks_past_the_last_block():
     assert_short_error(run("bloombee-server", "--model", MODEL, "--blocks", "4:12", "--new-swarm"), "END is at most 8")
+
+
+def test_plan_node_without_blocks_or_unknown_is_refused_before_joining(tmp_path):
+    """--initial-peers names a peer nobody runs: the plan's problem is reported before any attempt to join."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"feasible": True, "nodes": ["a", "b"],
+                                "plan": {"assignment": [8, 0], "alphas": [0.0, 0.0], "batch_size": 4, "micro_batches": 1}}))
+    common = ("bloombee-server", "--model", MODEL, "--plan", str(plan), "--initial-peers", FAKE_PEER)
+    assert_short_error(run(*common, "--node", "b"), f"--plan {plan}: the plan gives node 'b' no blocks",
+                       "do not start it, or plan again")
+    assert_short_error(run(*common, "--node", "z"), "node 'z' is not in the plan; its nodes are ['a', 'b']",
+                       "pass one of them as --node")
+    assert_short_error(run(*common), "--plan needs --node NAME")
+    plan.write_text("not json")
+    assert_short_error(run(*common, "--node", "a"), f"--plan {plan} is not JSON")
+    assert_short_error(run("bloombee-server", "--model", MODEL, "--plan", str(tmp_path / "none.json"), "--node", "a",
+                           "--initial-peers", FAKE_PEER), "none.json: cannot read it (No such file or directory)")
 
 
 def test_memory_sizes_and_budgets_that_cannot_hold_the_weights():

@@ -14,8 +14,11 @@ def test_demo_runs_a_local_swarm_and_shuts_it_down(tmp_path):
     assert "Starting server0 with blocks 0:4 of 8" in result.stdout and "Starting server1 with blocks 4:8 of 8" in result.stdout
     assert "def fibonacci(n):" in result.stdout and "Shutting the swarm down." in result.stdout
     # bloombee-tiny names its draft, so the default (draft_model auto, speculation auto) speculates
-    assert re.search(r"\[\d+ tokens in [\d.]+ s, [\d.]+ tokens/s, servers: server0\[0:4\] -> server1\[4:8\], \d+ "
-                     r"draft-tree rounds of [\d.]+ tokens, \d+ plain\]", result.stderr)
+    summary = re.search(r"\[(\d+) tokens in [\d.]+ s, [\d.]+ tokens/s, servers: server0\[0:4\] -> server1\[4:8\], "
+                        r"speculative decoding: ([\d.]+) tokens per step on average \((\d+) steps through the servers\)\]",
+                        result.stderr)
+    assert summary and float(summary[2]) == round(int(summary[1]) / int(summary[3]), 1)
+    assert "draft-tree" not in result.stderr and "rounds" not in result.stderr
     log_dir = re.search(r"logs in (\S+)\)", result.stdout).group(1)
     for log in Path(log_dir).glob("server*.log"):
         assert "Announced offline and stopped" in log.read_text()

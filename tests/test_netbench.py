@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.netbench import cli, knobs, metrics, netns, plan, presets, report
-from benchmarks.netbench.worker import Channel
+from benchmarks.netbench.worker import Channel, Workload, speculates
 
 NODES = ["client", "s0", "s1", "s2"]
 
@@ -418,3 +418,124 @@ def test_timeline_places_every_part_of_every_micro_batch():
     back = next(i for i in intervals if i["mb"] == 1 and i["row"] == "s1 -> client")
     assert back["start"] == pytest.approx(54.0) and back["end"] == pytest.approx(60.0)
     assert metrics.timeline({"sent_at": [], "micro_batch_reports": []}, ["s0"]) == []
+
+
+# ---------------------------------------------------------------------------------- speculation through generate()
+
+
+def test_every_optimisation_changes_what_a_sweep_runs():
+    """Named alone, each optimisation differs from the baseline in the servers' flags, the client's settings or the
+    client's path (speculation runs through generate())."""
+    baseline = knobs.parse_configuration("baseline")
+
+    def runs(config: knobs.Configuration) -> tuple:
+        return config.server_args(), config.client_settings(), speculates(config.client_settings())
+
+    for name in knobs.OPTIMISATIONS:
+        assert runs(knobs.parse_configuration(name)) != runs(baseline), name
+    assert speculates(knobs.parse_configuration("speculative").client_settings())
+    assert speculates(knobs.parse_configuration("speculative:auto").client_settings())
+    assert not speculates(baseline.client_settings()) and not speculates(knobs.parse_configuration("compression").client_settings())
+    assert knobs.parse_configuration("offload").server_args() == ["--offload", "0.5"]
+
+
+class _FakeSpeculatingModel:
+    """generate() as the client's model runs it with a draft: streams the prompt, then tokens; keeps round stats."""
+
+    def __init__(self, draft: object | None = "draft"):
+        self.draft, self.calls, self.last_speculation = draft, [], None
+
+    def settings_draft(self):
+        return self.draft
+
+    def generate(self, ids, max_new_tokens: int, streamer=None, **kwargs):
+        import torch
+
+        from bloombee.speculative.generation import RoundStats
+
+        self.calls.append({"prompt": ids.shape[1], "max_new_tokens": max_new_tokens, **kwargs})
+        if streamer is not None:
+            streamer.put(ids[:1])
+            streamer.put(torch.zeros(1, 1, dtype=torch.long))
+            streamer.end()
+        self.last_speculation = RoundStats(tree_rounds=2, plain_rounds=1, accepted=[3, 2], nodes_proposed=[15, 15],
+                                           chain=[("s0.g0c0", 0, 4), ("s1.g0c0", 4, 8)])
+        return torch.zeros(ids.shape[0], ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+
+def _workload(monkeypatch, model) -> tuple[Workload, list[str]]:
+    import torch
+
+    out = io.StringIO()
+    workload = Workload(Channel(io.StringIO('{"cmd": "continue"}\n' * 3), out))
+    workload.model_path = "m"
+    monkeypatch.setattr(workload, "_model", lambda allowed, settings: model)
+    monkeypatch.setattr(workload, "prompt_ids", lambda batch, prompt_len, seed: (torch.ones(batch, prompt_len, dtype=torch.long), "random"))
+    loops: list[int] = []
+
+    def step_loop(model, ids, new_tokens, max_length, mark):
+        loops.append(new_tokens)
+        return [], [], 0.1
+
+    monkeypatch.setattr(workload, "_generate", step_loop)
+    return workload, loops
+
+
+def test_worker_runs_speculative_configurations_through_generate(monkeypatch):
+    model = _FakeSpeculatingModel()
+    workload, loops = _workload(monkeypatch, model)
+    speculative = knobs.parse_configuration("speculative").client_settings()
+    result = workload.run(["s0.g0c0", "s1.g0c0"], speculative, batch=2, prompt_len=5, new_tokens=6, warmup_steps=1)
+    assert loops == [] and [call["max_new_tokens"] for call in model.calls] == [2, 6]
+    assert model.calls[1]["prompt"] == 5 and model.calls[1]["do_sample"] is False and model.calls[1]["eos_token_id"] is None
+    assert result["mode"] == "generate" and result["new_tokens"] == 6 and result["batch"] == 2
+    assert 0 <= result["first_token_s"] <= result["generation_s"]
+    assert result["chain"] == [{"name": "s0.g0c0", "start": 0, "end": 4}, {"name": "s1.g0c0", "start": 4, "end": 8}]
+    assert result["speculation"]["tree_rounds"] == 2 and result["speculation"]["accepted"] == [3, 2]
+    assert [json.loads(line)["name"] for line in workload.channel.out.getvalue().splitlines()] == ["start", "end"]
+
+
+def test_worker_runs_other_configurations_through_the_step_loop(monkeypatch):
+    model = _FakeSpeculatingModel()
+    workload, loops = _workload(monkeypatch, model)
+    for name in ("baseline", "compression", "auto"):
+        result = workload.run(["s0"], knobs.parse_configuration(name).client_settings(), batch=2, prompt_len=5,
+                              new_tokens=6, warmup_steps=1, marks=False)
+        assert result["mode"] == "steps"
+    assert model.calls == [] and loops == [2, 6] * 3
+    without_draft, _ = _workload(monkeypatch, _FakeSpeculatingModel(draft=None))
+    with pytest.raises(ValueError, match="the configuration speculates but m names no draft model"):
+        without_draft.run(["s0"], {"speculation": "on"}, batch=1, prompt_len=5, new_tokens=6, marks=False)
+
+
+def _generate_record(config: str, walls: tuple[float, ...] = (1.0, 1.2)) -> dict:
+    repeats = [{"mode": "generate", "steps": [], "generation_s": wall, "first_token_s": 0.2, "batch": 2, "new_tokens": 9,
+                "speculation": {"tree_rounds": 3, "plain_rounds": 1, "accepted": [3, 2, 3], "nodes_proposed": [15] * 3},
+                "loadavg": [1.0, 1.0, 1.0]} for wall in walls]
+    return {"env": {"name": "E1"}, "config": {"name": config}, "model_name": "m", "workload": {"prompt_len": 8, "new_tokens": 9},
+            "hops": [("client", "s0"), ("s0", "s1"), ("s1", "client")], "hop_rates_mbps": [None] * 3, "repeats": repeats}
+
+
+def test_a_generate_run_is_summarised_beside_the_step_loop(tmp_path):
+    s = metrics.summarize(_generate_record("speculative"))
+    assert s["mode"] == "generate" and s["repeats"] == 2 and s["decode_steps"] == 8
+    assert s["decode_tokens_per_s"] == pytest.approx(2 * 8 * 2 / (0.8 + 1.0))
+    assert s["e2e_tokens_per_s"] == pytest.approx(2 * 9 * 2 / 2.2)
+    assert s["e2e_tokens_per_s_repeats"] == pytest.approx([18 / 1.0, 18 / 1.2])
+    assert s["step_median_s"] == pytest.approx((0.8 / 4 + 1.0 / 4) / 2) and s["prefill_s"] == pytest.approx(0.2)
+    assert s["tokens_per_step"] == pytest.approx(2.0) and s["tokens_per_tree_round"] == pytest.approx(8 / 3)
+    baseline = _record(rate=None)
+    baseline["env"]["name"] = "E1"
+    summaries = [metrics.summarize(baseline), s]
+    comparison = report.comparison_table(summaries)
+    assert "| E1 | speculative |" in comparison and f"{s['decode_tokens_per_s'] / summaries[0]['decode_tokens_per_s']:.2f}x" in comparison
+    assert "| E1 | speculative | 17.8 | 16.4 | 8 | 6 | 2 | 2.00 | 2.67 |" in report.speculation_table(summaries)
+    assert "| E1 | speculative |" in report.summary_table(summaries) and "speculative" not in report.breakdown_table(summaries)
+    meta = {"model_name": "m", "model_note": "test", "command": "sudo ...", "hidden_size": 64, "num_blocks": 2,
+            "dtype": "float32", "server_nodes": ["s0", "s1"], "ranges": [[0, 1], [1, 2]], "batch": 2, "prompt_len": 8,
+            "new_tokens": 9, "warmup_steps": 2, "started": "now",
+            "machine": {"cpus": 2, "loadavg_start": "1.0", "kernel": "k", "git": "g"}}
+    pytest.importorskip("matplotlib")
+    report.write_sweep_outputs(tmp_path, meta, summaries)
+    assert "## Speculative decoding" in (tmp_path / "summary.md").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["runs"][1]["compression_ratio"] is None

@@ -131,3 +131,22 @@ def test_interrupted_sweep_leaves_nothing(model, tmp_path):
     assert proc.returncode != 0
     assert "interrupted" in output
     assert_nothing_left(proc.pid, model, links_before)
+
+
+@pytest.mark.timeout(300)
+def test_speculative_configuration_runs_through_generate(tmp_path):
+    """bloombee-tiny names its draft: `speculative` speculates (token trees through the chain), `baseline` runs the
+    step loop, both with tokens/s in one summary."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "benchmarks.netbench", "sweep", "--model", "bloombee-tiny", "--servers", "2",
+               "--batch", "1", "--prompt-len", "8", "--new-tokens", "12", "--warmup-steps", "1", "--envs", "E1",
+               "--configs", "baseline,speculative", "--warmup-round-tokens", "0", "--background-s", "1", "--no-plots",
+               "--startup-timeout", "150", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    runs = {run["config"]: run for run in json.loads((out / "summary.json").read_text())["runs"]}
+    assert runs["baseline"].get("mode") is None and runs["baseline"]["decode_steps"] == 11
+    speculative = runs["speculative"]
+    assert speculative["mode"] == "generate" and speculative["tree_rounds"] > 0
+    assert speculative["decode_tokens_per_s"] > 0 and speculative["decode_steps"] < 11
+    assert "## Speculative decoding" in (out / "summary.md").read_text()

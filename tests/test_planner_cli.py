@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from bloombee.cli.plan import main
+from bloombee.planner.report import plot_title, size_text
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "plans"
@@ -39,6 +42,8 @@ def test_cli_json_and_plot(tmp_path):
     assert {"even", "greedy"} == set(report["baselines"])
     assert report["baselines"]["even"]["throughput_tokens_per_s"] <= chosen["throughput_tokens_per_s"]
     assert report["compressed_hops"] and report["simulated_step_s"] > 0
+    assert report["throughput_tokens_per_s"] == pytest.approx(chosen["batch_size"] / report["simulated_step_s"])
+    assert report["closed_form_step_s"] == pytest.approx(chosen["evaluation"]["step_time_s"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -48,7 +53,7 @@ def test_cli_table_with_workload_flags():
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for text in ("a100-california", "rtx4090-canada", "estimated throughput", "even split", "greedy", "bottleneck", "compression"):
+    for text in ("a100-california", "rtx4090-canada", "throughput:", "even split", "greedy", "bottleneck", "compression"):
         assert text in out
     assert "context 512" in out
     # the candidate grid has exactly the flags' values
@@ -108,3 +113,70 @@ def test_cli_function_prints_json(capsys):
     assert main(["--nodes", str(EXAMPLES / "e2.yaml"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["plan"]["throughput_tokens_per_s"] > 0
+
+
+def test_one_headline_figure_from_the_simulated_step(tmp_path):
+    """The text's throughput is B over the simulated step, the plot's title says the same, and the DP's closed form is
+    shown only as a step time."""
+    path = str(EXAMPLES / "e5.yaml")
+    report = json.loads(_run("--nodes", path, "--json").stdout)
+    png = tmp_path / "e5.png"
+    out = _run("--nodes", path, "--plot", str(png)).stdout
+    batch, simulated_ms = report["plan"]["batch_size"], report["simulated_step_s"] * 1e3
+    headline = re.search(r"^throughput: ([\d.]+) tokens/s \(B=(\d+) tokens per simulated step of ([\d.]+) ms\)", out, re.MULTILINE)
+    assert headline and float(headline[1]) == pytest.approx(batch / simulated_ms * 1e3, abs=0.05)
+    assert float(headline[3]) == pytest.approx(simulated_ms, abs=0.05)
+    closed = re.search(r"^closed-form estimate the DP optimised: ([\d.]+) ms/step", out, re.MULTILINE)
+    assert closed and float(closed[1]) == pytest.approx(report["closed_form_step_s"] * 1e3, abs=0.05)
+    assert "estimated throughput" not in out and out.count("tokens/s (B=") == 1
+    assert plot_title(_evaluation(report), report["simulated_step_s"]).startswith(
+        f"B={batch}, M={report['plan']['micro_batches']} (micro-batch {report['plan']['micro_batch_size']}), {headline[1]} tokens/s")
+
+
+def _evaluation(report: dict):
+    from bloombee.planner.evaluate import Evaluation
+
+    raw = report["plan"]["evaluation"]
+    return Evaluation(feasible=True, reason="", assignment=raw["assignment"], batch_size=raw["batch_size"],
+                      micro_batches=raw["micro_batches"], micro_batch_size=raw["micro_batch_size"],
+                      bottleneck=raw["bottleneck"])
+
+
+def test_small_model_sizes_and_device_names_are_shown_whole(tmp_path, capsys):
+    """A tiny model's per-block sizes read in a unit that shows them, and a CPU node's device name is not cut."""
+    raw = yaml.safe_load((EXAMPLES / "e3.yaml").read_text())
+    raw["model"] = {"name": "tiny", "num_blocks": 8, "hidden_size": 64, "num_key_value_heads": 2, "head_dim": 8,
+                    "intermediate_size": 128, "params_per_block": 40_000}
+    raw["workload"]["dtype"] = "bfloat16"
+    for node in raw["nodes"]:
+        node["gpu"] = "cpu (bfloat16)"
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--nodes", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "78.1 KiB of weights and 64 B of KV per token per block (bfloat16)" in out
+    assert "0.00 GiB" not in out and "GPU mem" not in out and "device mem" in out
+    assert out.count("cpu (bfloat16)") == len(raw["nodes"])
+    assert size_text(1.07e9) == "1020 MiB" and size_text(3 * 2**30) == "3.00 GiB" and size_text(512) == "512 B"
+
+
+def test_measure_prints_a_node_to_paste_into_nodes_yaml(tmp_path, capsys):
+    """--measure times one block of the tiny model here; two copies of its node make a nodes.yaml that plans."""
+    from bloombee.planner import NodeSpec
+
+    result = _run("--measure", "--model", "bloombee-tiny", "--measure-sizes", "1", "2", "--seq-len", "8", "--name", "here")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("# here timed on one block of bloombee-tiny") and "&id" not in result.stdout
+    [node] = yaml.safe_load(result.stdout)["nodes"]
+    spec = NodeSpec.model_validate(node)
+    assert spec.name == "here" and spec.cost.table.micro_batch == [1, 2] and spec.cost.reference_seq_len == 8
+    assert all(ms > 0 for ms in spec.cost.table.mlp_ms) and spec.gpu.startswith("cpu (") and spec.link.uplink_mbps == 100
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"client": {"link": {"uplink_mbps": 100, "downlink_mbps": 100, "latency_ms": 10}},
+                                     "nodes": [{**node, "name": "a"}, {**node, "name": "b"}]}))
+    assert main(["--nodes", str(nodes), "--model", "bloombee-tiny", "--batch-sizes", "1", "2"]) == 0
+    assert "throughput:" in capsys.readouterr().out
+    assert main(["--measure"]) == 2
+    assert "--measure needs --model" in capsys.readouterr().err
+    assert main(["--measure", "--model", "bloombee-tin"]) == 2
+    assert "did you mean bloombee-tiny?" in capsys.readouterr().err

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 from api_support import MODEL, ApiProcess, start_tiny_swarm
 
+from bloombee.api.status_page import coverage_svg
+from bloombee.client.swarm_status import ModelStatus, ServerStatus
+
 CLIENT = str(Path(sys.executable).parent / "bloombee-client")
 
 
@@ -90,6 +93,7 @@ def test_status_page_draws_the_blocks_and_shows_a_stopped_server(swarm, api, chr
     dom = browse(chromium, api.base_url + "/status", tmp_path / "status-before.png")
     assert server_bars(dom) == {"a": "online", "b": "online"}
     assert re.findall(r'data-block="(\d+)" data-servers="(\d+)"', dom) == [(str(b), "1") for b in range(8)]
+    assert re.findall(r"<text class=\"count\"[^>]*>(\d+)</text>", dom) == ["1"] * 8
     assert "http-equiv=\"refresh\" content=\"2\"" in dom and "a[0:4]" in dom
     assert (tmp_path / "status-before.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -109,3 +113,23 @@ def test_status_and_info_flag_the_gap_after_the_stop(swarm, api):
     info = client("info", "--model", MODEL, "--initial-peers", *swarm.initial_peers)
     assert info.returncode == 1 and "coverage gap: blocks 4..7 are served by nobody" in info.stdout
     assert api.status()["models"][0]["full_chain"] is False
+
+
+def _server(name: str, start: int, end: int, state: str = "online") -> ServerStatus:
+    return ServerStatus(peer_id=f"peer-{name}", public_name=name, state=state, start_block=start, end_block=end,
+                        throughput=1.0, cache_tokens_left=100, offload=0.0, link_mbps=100.0, version="x", features=[],
+                        dtype="float32", device="cpu")
+
+
+def test_counts_per_block_are_written_under_an_axis_of_block_numbers():
+    """The counts are visible text (not only tooltips); block numbers are the axis above them."""
+    servers = [_server("a", 0, 6), _server("b", 4, 10), _server("c", 8, 12, "offline")]
+    status = ModelStatus(model="m", prefix="m", num_blocks=12, servers=servers, uncovered=[10, 11], full_chain=False, chain=[])
+    svg = coverage_svg(status)
+    counts = [int(count) for count in re.findall(r'<text class="count"[^>]*>(\d+)</text>', svg)]
+    assert counts == [1, 1, 1, 1, 2, 2, 1, 1, 1, 1, 0, 0]
+    assert re.findall(r'<text class="axis"[^>]*>(\d+)</text>', svg) == [str(block) for block in range(12)]
+    wide = coverage_svg(ModelStatus(model="m", prefix="m", num_blocks=80, servers=[_server("a", 0, 80)], uncovered=[],
+                                    full_chain=True, chain=["a[0:80]"]))
+    assert re.findall(r'<text class="axis"[^>]*>(\d+)</text>', wide)[:3] == ["0", "2", "4"]
+    assert len(re.findall(r'<text class="count"', wide)) == 80

@@ -61,6 +61,19 @@ def test_profile_is_a_valid_planner_node(swarm):
     assert all(value > 0 for value in spec.cost.table.mlp_ms)
 
 
+def test_live_swarm_plan_reads_in_the_servers_terms(swarm):
+    """The text report sizes the tiny model in units that show it, takes the servers' announced dtype and prints each
+    server's device whole, as device (not GPU) memory."""
+    result = subprocess.run([sys.executable, "-m", "bloombee.cli.plan", "--initial-peers", *swarm.initial_peers,
+                             "--model", swarm.model, "--batch-sizes", str(PLAN_BATCH)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert "0.00 GiB" not in first and " 0 KiB" not in first
+    assert f"{KV_PER_TOKEN_BLOCK} B of KV per token per block (float32)" in first
+    assert result.stdout.count("cpu (float32)") == 2 and "device mem" in result.stdout and "GPU" not in result.stdout
+
+
 def test_plan_for_the_live_swarm_and_follow_it(swarm, tmp_path):
     result = subprocess.run([sys.executable, "-m", "bloombee.cli.plan", "--initial-peers", *swarm.initial_peers,
                              "--model", swarm.model, "--batch-sizes", str(PLAN_BATCH), "--micro-batches", "1",

@@ -63,6 +63,34 @@ def test_routing_prefers_replicas_with_room_for_the_session():
     assert route(5_000) == "full"  # no room anywhere: the one that serves the blocks, where the session will wait
 
 
+def test_blocks_held_only_by_banned_servers_are_explained_as_such():
+    """A frozen server is banned, not gone: the error names it, says it stopped answering, and what to do."""
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings(ban_base_seconds=30), model_name="m")
+    servers = {"peer-a": record(0, 3, name="a"), "peer-b": record(3, 6, name="b"), "peer-c": record(6, 8, name="c")}
+    manager._records = [{peer: rec for peer, rec in servers.items() if rec.start_block <= block < rec.end_block}
+                        for block in range(8)]
+    manager._updated_at = float("inf")  # the records above are current: no DHT read
+    assert [span.peer_id for span in manager.make_route(0, 8)] == ["peer-a", "peer-b", "peer-c"]
+    manager.ban("peer-b")
+    with pytest.raises(MissingBlocksError) as error:
+        manager.make_route(0, 8)
+    message = str(error.value)
+    assert message.startswith("blocks 3..5 of model 'm' are served only by b (blocks 3:6), which stopped answering")
+    assert "banned by this client for up to 30 s more; wait for it to recover and retry, or start another server" in message
+    assert "--blocks 3:6" in message and "not served by any usable online server" not in message
+    records = [dict(records) for records in manager._records]
+    for block in range(3, 6):  # b's record is missing from a read (its own DHT node, frozen with it, held it)
+        manager._records[block] = {}
+    assert str(pytest.raises(MissingBlocksError, manager.make_route, 0, 8).value) == message
+    manager._records = records
+    manager._records[6:] = [{}, {}]  # server c left: blocks 6..7 have no server at all
+    message = str(pytest.raises(MissingBlocksError, manager.make_route, 0, 8).value)
+    assert message.endswith("(blocks 6..7 are not served by any online server at all)")
+    manager._bans.clear()
+    with pytest.raises(MissingBlocksError, match="blocks 6..7 of model 'm' are not served by any usable online server"):
+        manager.make_route(0, 8)
+
+
 def test_format_ranges():
     assert format_ranges([1, 2, 3, 7, 9, 10]) == "1..3, 7, 9..10"
 

@@ -294,6 +294,11 @@ def server_groups(configs: list[knobs.Configuration], envs: list[presets.Environ
 
 
 def log_summary(s: dict) -> None:
+    if s.get("mode") == "generate":
+        logger.info("%s %s: %.1f tok/s through generate(), %d steps through the chain (%d token trees), %.2f tokens "
+                    "per step", s["env"], s["config"], s["decode_tokens_per_s"], s["decode_steps"], s["tree_rounds"],
+                    s["tokens_per_step"] or 0.0)
+        return
     logger.info("%s %s: %.1f tok/s, step %.1f ms (floor %.1f ms, x%.2f), %.1f KB/step, iface/process %s",
                 s["env"], s["config"], s["decode_tokens_per_s"], s["step_median_s"] * 1e3, s["floor_s"] * 1e3,
                 s["measured_over_floor"], s["step_wire_bytes"] / 1e3, ", ".join(f"{a:.3f}" for a in s["iface_over_app"]))
@@ -323,6 +328,11 @@ def measure_background(topology: netns.Topology, seconds: float) -> dict | None:
                                                  for key in ("tx_bytes", "tx_packets")} for node in after}}
 
 
+# what a repeat keeps of the worker's `run` result: the step loop's steps, or a `model.generate` run's figures
+REPEAT_FIGURES = ("mode", "steps", "generation_s", "warmup_s", "prompt_source", "first_token_s", "batch", "new_tokens",
+                  "speculation")
+
+
 def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: presets.Environment,
             config: knobs.Configuration, names: list[str], nodes: list[str], new_tokens: int) -> dict[str, Any]:
     """Run the workload (`new_tokens` tokens) once in the current shaping; the chain it took and one repeat's raw
@@ -344,9 +354,9 @@ def run_one(args: argparse.Namespace, topology: netns.Topology, worker, env: pre
     got = [hops[0][0]] + [dst for _, dst in hops]
     if got != expected or [span["name"] for span in result["chain"]] != names:
         raise RuntimeError(f"the client routed through {[span['name'] for span in result['chain']]}, expected {names}")
+    measured = {key: result[key] for key in REPEAT_FIGURES if key in result}
     return {"chain": result["chain"], "hops": hops, "client_cpu": result["client_cpu"], "repeat": {
-        "steps": result["steps"], "counters": snapshots, "mark_times": marks_at, "generation_s": result["generation_s"],
-        "warmup_s": result["warmup_s"], "prompt_source": result["prompt_source"], "qdisc_before": qdisc_before,
+        **measured, "counters": snapshots, "mark_times": marks_at, "qdisc_before": qdisc_before,
         "qdisc_after": topology.qdisc_stats(), "loadavg": os.getloadavg()}}
 
 

@@ -14,7 +14,11 @@ all others off:
   node advertises).
 
 A ``passive`` optimisation passes no flag where a configuration does not name it (the product's
-default): ``offload`` only acts under a ``--device-memory`` budget, which sweeps do not set.
+default): ``offload`` auto only acts under a ``--device-memory`` budget, which sweeps do not set, so
+the product's default offloads nothing there and ``offload`` named alone keeps half of the KV heads in
+host memory. Every optimisation changes what a sweep runs: its servers' flags, its client's settings,
+or (``speculative``) the client's path, ``model.generate`` instead of the step loop
+(``worker.speculates``).
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
     Optimisation("micro_batching", "steps split into micro-batches that pipeline along the chain",
                  (), (), {"micro_batches": 4}, {"micro_batches": 1}, value_setting="micro_batches"),
     Optimisation("speculative", "draft-tree speculative decoding with the model's draft (bloombee-tiny-draft for "
-                 "bloombee-tiny), pruned at the first server; auto = only while faster than plain decoding (S > S*)",
+                 "bloombee-tiny), pruned at the first server; auto = only while faster than plain decoding (S > S*); "
+                 "runs through model.generate, the path that speculates, instead of the step loop",
                  (), (), {"speculation": "on"}, {"speculation": "off"}, value_setting="speculation", value_type=str),
-    Optimisation("offload", "a share of each block's KV cache in host memory: auto = the planner's smallest alpha that "
-                 "fits --cache-tokens in --device-memory", ("--offload", "auto"), ("--offload", "0"),
+    Optimisation("offload", "a share of each block's KV heads in host memory, attended where they lie: half by default; "
+                 "offload:F sets the fraction, offload:auto the planner's smallest alpha that fits --cache-tokens in "
+                 "--device-memory (0 without that budget)", ("--offload", "0.5"), ("--offload", "0"),
                  value_flag="--offload", value_type=float, passive=True),
 )}
 

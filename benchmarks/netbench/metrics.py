@@ -185,8 +185,11 @@ def counters_agree(iface: dict[str, list[float]]) -> bool:
 
 
 def summarize(run: dict) -> dict[str, Any]:
-    """The figures of one (environment, configuration): decode steps pooled over its repeats."""
+    """The figures of one (environment, configuration): decode steps pooled over its repeats (`summarize_generate`
+    for a configuration that ran through `model.generate`)."""
     repeats = run["repeats"]
+    if repeats[0].get("mode") == "generate":
+        return summarize_generate(run)
     steps = [step for rep in repeats for step in rep["steps"]]
     decode_steps = [step for step in steps if step["kind"] == "decode"]
     prefill = [step for step in steps if step["kind"] == "prefill"]
@@ -240,6 +243,45 @@ def summarize(run: dict) -> dict[str, Any]:
         "micro_batches": sorted({step.get("micro_batches", 1) for step in steps}),
         "timeline": timeline(typical, [dst for _, dst in hops[:-1]]),
         "timeline_chain_s": typical["chain_s"],
+    }
+
+
+# what the step loop's summary holds per hop and step and a `model.generate` run cannot see: absent (None, NaN, empty)
+STEP_FIGURES_ABSENT = {
+    "chain_median_s": None, "chain_p90_s": None, "head_median_s": None, "hop_wire_bytes": [], "hop_raw_bytes": [],
+    "hop_iface": {}, "hop_iface_bytes": [], "step_wire_bytes": None, "step_raw_bytes": None, "step_iface_bytes": None,
+    "compression_ratio": math.nan, "iface_over_app": [], "prefill_iface_over_app": [], "counters_agree": None,
+    "layouts": [], "breakdown": None, "compute_s": None, "wire_s": None, "transport_s": None,
+    "steps_without_all_reports": 0, "floor_s": None, "measured_over_floor": math.nan, "micro_batches": [],
+    "timeline": [], "timeline_chain_s": None,
+}
+
+
+def summarize_generate(run: dict) -> dict[str, Any]:
+    """The figures of a configuration that ran through `model.generate` (speculative decoding): tokens/s after the
+    first token (`decode`) and end to end, defined as for the step loop; a step is one trip through the chain (a
+    token tree or a plain step), its time the mean over a generation; and the speculation's rounds."""
+    repeats = run["repeats"]
+    batch = repeats[0]["batch"]
+    rounds = [rep["speculation"]["tree_rounds"] + rep["speculation"]["plain_rounds"] for rep in repeats]
+    decode_s = [rep["generation_s"] - rep["first_token_s"] for rep in repeats]
+    per_step = [seconds / count for seconds, count in zip(decode_s, rounds) if count]
+    accepted = [count for rep in repeats for count in rep["speculation"]["accepted"]]
+    return {
+        **STEP_FIGURES_ABSENT,
+        "env": run["env"]["name"], "config": run["config"]["name"], "model": run["model_name"], "mode": "generate",
+        "batch": batch, "prompt_len": run["workload"]["prompt_len"], "new_tokens": run["workload"]["new_tokens"],
+        "servers": len(run["hops"]) - 1, "repeats": len(repeats), "decode_steps": sum(rounds),
+        "decode_tokens_per_s": batch * sum(rep["new_tokens"] - 1 for rep in repeats) / sum(decode_s),
+        "e2e_tokens_per_s": batch * sum(rep["new_tokens"] for rep in repeats) / sum(rep["generation_s"] for rep in repeats),
+        "e2e_tokens_per_s_repeats": [batch * rep["new_tokens"] / rep["generation_s"] for rep in repeats],
+        "step_median_s": median(per_step), "step_p90_s": percentile(per_step, 90),
+        "prefill_s": median(rep["first_token_s"] for rep in repeats),
+        "tree_rounds": sum(rep["speculation"]["tree_rounds"] for rep in repeats),
+        "plain_rounds": sum(rep["speculation"]["plain_rounds"] for rep in repeats),
+        "tokens_per_tree_round": statistics.fmean(accepted) if accepted else None,
+        "tokens_per_step": sum(rep["new_tokens"] - 1 for rep in repeats) / sum(rounds) if sum(rounds) else None,
+        "loadavg": [rep.get("loadavg") for rep in repeats], "failed_attempts": len(run.get("failed_attempts", [])),
     }
 
 

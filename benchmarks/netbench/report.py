@@ -18,6 +18,14 @@ def _kb(num: float | None) -> str:
     return "-" if num is None else f"{num / 1e3:.1f}"
 
 
+def _fixed(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _agree(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "NO"
+
+
 def _ratio(values: list[float]) -> str:
     if not values:
         return "-"
@@ -37,9 +45,9 @@ def summary_table(summaries: list[dict]) -> str:
         lines.append(
             f"| {s['env']} | {s['config']} | {s['decode_tokens_per_s']:.1f} | {s['e2e_tokens_per_s']:.1f} "
             f"| {_ms(s['step_median_s'])} | {_ms(s['step_p90_s'])} | {_kb(s['step_wire_bytes'])} | {_kb(s['step_iface_bytes'])} "
-            f"| {_ratio(s['iface_over_app'])} | {'yes' if s['counters_agree'] else 'NO'} | {s['compression_ratio']:.3f} | {_ms(s['compute_s'])} | {_ms(s['transport_s'])} "
+            f"| {_ratio(s['iface_over_app'])} | {_agree(s['counters_agree'])} | {_fixed(s['compression_ratio'], 3)} | {_ms(s['compute_s'])} | {_ms(s['transport_s'])} "
             f"| {_ms(s['wire_s'])} "
-            f"| {_ms(s['floor_s'])} | {s['measured_over_floor']:.2f} |")
+            f"| {_ms(s['floor_s'])} | {_fixed(s['measured_over_floor'])} |")
     return "\n".join(lines)
 
 
@@ -63,7 +71,7 @@ def comparison_table(summaries: list[dict], reference: str = "baseline") -> str:
                 f"| {run['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x "
                 f"| {_ms(run['transport_s'])} ({_ms(base['transport_s'])}) "
                 f"| {_kb(run['step_wire_bytes'])} ({_kb(base['step_wire_bytes'])}) "
-                f"| {base['measured_over_floor']:.2f} | {run['measured_over_floor']:.2f} |")
+                f"| {_fixed(base['measured_over_floor'])} | {_fixed(run['measured_over_floor'])} |")
     return "\n".join(lines)
 
 
@@ -94,12 +102,25 @@ def auto_table(summaries: list[dict], auto: str = "auto", off: str = "baseline")
     return "\n".join(lines)
 
 
+def speculation_table(summaries: list[dict]) -> str:
+    """The configurations that ran through `model.generate`: tokens/s beside how the speculation went."""
+    header = ("| env | config | tok/s decode | tok/s e2e | steps through the chain | token trees | plain steps "
+              "| tokens per step (per row) | tokens per token tree (per row) |")
+    lines = [header, _rule(header)]
+    for s in summaries:
+        if s.get("mode") == "generate":
+            lines.append(f"| {s['env']} | {s['config']} | {s['decode_tokens_per_s']:.1f} | {s['e2e_tokens_per_s']:.1f} "
+                         f"| {s['decode_steps']} | {s['tree_rounds']} | {s['plain_rounds']} | {_fixed(s['tokens_per_step'])} "
+                         f"| {_fixed(s['tokens_per_tree_round'])} |")
+    return "\n".join(lines)
+
+
 def breakdown_table(summaries: list[dict]) -> str:
     header = ("| env | config | hop | rate Mbps | KB (iface) | T d2h ms | T encode+send ms | T wire ms (of which at rate) "
               "| T recv+decode ms | T h2d ms | compute ms (receiver) |")
     lines = [header, _rule(header)]
     for s in summaries:
-        for row in s["breakdown"]["hops"]:
+        for row in (s["breakdown"] or {}).get("hops", []):
             rate = "unshaped" if row["rate_mbps"] is None else f"{row['rate_mbps']:g}"
             compute = "-" if row["compute_s"] is None else f"{_ms(row['compute_s'])} ({row['computed_by']})"
             lines.append(f"| {s['env']} | {s['config']} | {row['hop']} | {rate} | {_kb(row['bytes'])} | {_ms(row['d2h_s'])} "
@@ -125,6 +146,11 @@ COLUMNS = (
 AUTO_NOTE = ("Every configuration ran once per round, the rounds one after another; a ratio is taken within a round "
              "(auto's run over the other configuration's run in the same round), and the median over the rounds is "
              "given with their range. The best configuration is the one with the highest median tokens/s.")
+SPECULATION_NOTE = ("A configuration with `speculative` runs `model.generate` with the model's draft, as the product "
+                    "speculates, instead of the step loop: its tok/s are measured alike (decode: after the first token; "
+                    "e2e: the whole generation), a step is one trip through the chain (a token tree or a plain step, "
+                    "mean time per generation), and the per-hop figures of the step loop (bytes, breakdown, floor, "
+                    "planner predictions) are not measured for it (`-`).")
 BREAKDOWN_NOTE = ("T wire = step time left after encode, decode and compute, per hop: its bytes at the shaped rate "
                   "(in brackets) plus an equal share of the remaining stack overhead.")
 
@@ -156,6 +182,9 @@ def write_markdown(path: Path, meta: dict, summaries: list[dict]) -> None:
     comparison = comparison_table(summaries)
     if comparison:
         lines += ["## Against the baseline", "", comparison, ""]
+    if any(s.get("mode") == "generate" for s in summaries):
+        lines += ["## Speculative decoding (model.generate with the draft model)", "", SPECULATION_NOTE, "",
+                  speculation_table(summaries), ""]
     if any(s["config"] == "auto" for s in summaries):
         lines += ["## auto against the best configuration and against off (end-to-end tokens/s, prefill included)", "",
                   AUTO_NOTE, "", auto_table(summaries), ""]
@@ -200,8 +229,10 @@ def plot_throughput(path: Path, summaries: list[dict], title: str) -> None:
 
 
 def plot_transport(path: Path, summaries: list[dict], title: str) -> None:
-    plot_grouped(path, summaries, title + " - transport = step less compute", lambda s: s["transport_s"] * 1e3,
-                 "transport per decode step (ms)")
+    shown = [s for s in summaries if s["transport_s"] is not None]  # runs through generate() have no transport figure
+    if shown:
+        plot_grouped(path, shown, title + " - transport = step less compute", lambda s: s["transport_s"] * 1e3,
+                     "transport per decode step (ms)")
 
 
 def plot_breakdown(path: Path, summaries: list[dict], title: str) -> None:
@@ -210,6 +241,9 @@ def plot_breakdown(path: Path, summaries: list[dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summaries = [s for s in summaries if s["breakdown"] is not None]
+    if not summaries:
+        return
     labels = [f"{s['env']}\n{s['config']}" for s in summaries]
     parts = {
         "compute (blocks)": [s["breakdown"]["compute_total_s"] for s in summaries],

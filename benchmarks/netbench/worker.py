@@ -9,7 +9,9 @@ original stdout (everything else the process prints goes to stderr, i.e. its log
   ``new_tokens - 1`` greedy decode steps through ``session.step`` (the client computes embeddings
   and the LM head itself). Before the prefill, before the first decode step and after the last
   one it writes ``{"event": "mark", ...}`` and waits for ``{"cmd": "continue"}``: the harness
-  reads the interface counters there;
+  reads the interface counters there. A configuration that speculates (``speculates``) runs
+  ``model.generate`` with its draft model instead (marks before and after), timed end to end and to
+  its first token, with the speculation's round statistics;
 - ``speculate``: ``model.generate`` of ``new_tokens`` greedy tokens per row, plain or with the draft model
   (``generate`` keyword arguments as given: ``speculation``, ``prune_tau``, ``draft_widths``), after one
   warm-up call: its wall time, the speculation's round statistics and each row's completion time;
@@ -128,22 +130,60 @@ class Workload:
 
     def run(self, allowed: list[str], settings: dict[str, Any], batch: int, prompt_len: int, new_tokens: int,
             warmup_steps: int = 2, seed: int = 0, marks: bool = True, max_length: int = 0) -> dict:
+        """One measured generation: through `model.generate` with the draft model when the settings speculate
+        (`speculates`), else the plain step loop; after a warm-up of the same kind."""
         import torch
 
         from bloombee.client.micro_batching import client_cpu_share
 
         model = self._model(allowed, settings)
         ids, source = self.prompt_ids(batch, prompt_len, seed)
-        max_length = max(max_length, prompt_len + max(new_tokens, warmup_steps + 1))  # the sessions' KV cache length
+        mark = self.channel.mark if marks else None
+        if speculates(settings):
+            measured = self._run_generate(model, ids, new_tokens, warmup_steps, mark)
+        else:
+            measured = self._run_steps(model, ids, new_tokens, warmup_steps, max_length, mark)
+        return {**measured, "prompt_source": source, "torch_threads": torch.get_num_threads(),
+                "client_settings": settings, "client_cpu": client_cpu_share()}
+
+    def _run_steps(self, model, ids, new_tokens: int, warmup_steps: int, max_length: int, mark) -> dict:
+        """The plain loop: a prefill step and `new_tokens - 1` greedy decode steps through `session.step`."""
+        import torch
+
+        max_length = max(max_length, ids.shape[1] + max(new_tokens, warmup_steps + 1))  # the sessions' KV cache length
         began = time.perf_counter()
         with torch.inference_mode():  # opens connections and push streams, warms the codec policies; a 1-token prompt
             self._generate(model, ids[:, :1], warmup_steps + 1, max_length, None)
         warmup_s = time.perf_counter() - began
         with torch.inference_mode():
-            steps, chain, wall = self._generate(model, ids, new_tokens, max_length, self.channel.mark if marks else None)
-        return {"steps": steps, "chain": chain, "generation_s": wall, "warmup_s": warmup_s, "prompt_source": source,
-                "torch_threads": torch.get_num_threads(), "client_settings": settings,
-                "client_cpu": client_cpu_share()}
+            steps, chain, wall = self._generate(model, ids, new_tokens, max_length, mark)
+        return {"mode": "steps", "steps": steps, "chain": chain, "generation_s": wall, "warmup_s": warmup_s}
+
+    def _run_generate(self, model, ids, new_tokens: int, warmup_steps: int, mark) -> dict:
+        """`model.generate` of `new_tokens` greedy tokens per row with the settings' draft model (speculative
+        decoding as the product runs it), timed end to end and to its first token."""
+        if model.settings_draft() is None:
+            raise ValueError(f"the configuration speculates but {self.model_path} names no draft model; "
+                             "give one as the draft_model client setting")
+        kwargs = {"do_sample": False, "eos_token_id": None}
+        began = time.perf_counter()
+        model.generate(ids[:, :1], max_new_tokens=warmup_steps + 1, **kwargs)
+        warmup_s = time.perf_counter() - began
+        clock = TokenClock()
+        if mark is not None:
+            mark("start")
+        began = time.perf_counter()
+        output = model.generate(ids, max_new_tokens=new_tokens, streamer=clock, **kwargs)
+        wall = time.perf_counter() - began
+        if mark is not None:
+            mark("end")
+        stats = model.last_speculation
+        return {"mode": "generate", "steps": [], "generation_s": wall, "warmup_s": warmup_s,
+                "first_token_s": clock.first_token_at - began, "batch": int(ids.shape[0]),
+                "new_tokens": int(output.shape[1] - ids.shape[1]),
+                "chain": [{"name": name, "start": start, "end": end} for name, start, end in stats.chain],
+                "speculation": {"tree_rounds": stats.tree_rounds, "plain_rounds": stats.plain_rounds,
+                                "accepted": stats.accepted, "nodes_proposed": stats.nodes_proposed}}
 
     def speculate(self, allowed: list[str], settings: dict[str, Any], batch: int, prompt_len: int, new_tokens: int,
                   generate: dict[str, Any], seed: int = 0) -> dict:
@@ -195,6 +235,28 @@ class Workload:
             if mark is not None:
                 mark("end")
         return steps, chain, wall
+
+
+def speculates(settings: dict[str, Any]) -> bool:
+    """Whether a configuration's client settings switch speculative decoding on (or to auto): it then runs through
+    `model.generate`, the only path that speculates."""
+    return settings.get("speculation", "off") != "off"
+
+
+class TokenClock:
+    """A transformers-style streamer that notes when the first generated tokens arrive (the prompt comes first)."""
+
+    def __init__(self):
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, tokens) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        """Nothing to flush."""
 
 
 def step_record(kind: str, hidden, stats, wall_s: float, head_s: float) -> dict:

@@ -13,29 +13,62 @@ def server_color(server: ServerStatus) -> str:
 
 
 def coverage_svg(status: ModelStatus) -> str:
-    """Blocks along x; a top row of per-block server counts (red where none), then one bar per server."""
+    """Blocks along x: an axis of block numbers, a row of per-block server counts written in each cell (red where
+    none), then one bar per server."""
     scale = (WIDTH - LEFT - 10) / max(status.num_blocks, 1)
     height = ROW * (len(status.servers) + 2) + 10
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
-             f'aria-label="block coverage of {escape(status.model)}">']
-    for block, count in enumerate(status.servers_per_block()):
-        x = LEFT + block * scale
-        fill = "#c0392b" if count == 0 else "#d5f0dc" if count == 1 else "#8fd3a3"
-        parts.append(f'<rect class="block" data-block="{block}" data-servers="{count}" x="{x:.1f}" y="4" '
-                     f'width="{scale - 1:.1f}" height="{ROW - 6}" fill="{fill}"><title>block {block}: {count} servers</title></rect>')
-        parts.append(f'<text x="{x + scale / 2:.1f}" y="{ROW - 8}" font-size="10" text-anchor="middle">{block}</text>')
-    parts.append(f'<text x="4" y="{ROW - 8}" font-size="12">servers per block</text>')
-    for row, server in enumerate(status.servers, start=1):
-        y = 4 + row * ROW
-        x, width = LEFT + server.start_block * scale, (server.end_block - server.start_block) * scale - 1
-        label = f"{server.label} {server.start_block}:{server.end_block} {server.state}"
-        parts.append(f'<text x="4" y="{y + ROW - 10}" font-size="12">{escape(server.label)}</text>')
-        parts.append(f'<rect class="server" data-name="{escape(server.label)}" data-state="{escape(server.state)}" '
-                     f'x="{x:.1f}" y="{y}" width="{width:.1f}" height="{ROW - 6}" rx="4" fill="{server_color(server)}">'
-                     f'<title>{escape(label)}</title></rect>')
-        parts.append(f'<text x="{x + 6:.1f}" y="{y + ROW - 10}" font-size="11" fill="white">{escape(label)}</text>')
+    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
+              f'aria-label="block coverage of {escape(status.model)}">')]
+    parts += block_axis(status.num_blocks, scale)
+    parts += count_row(status.servers_per_block(), scale, 4 + ROW)
+    for row, server in enumerate(status.servers, start=2):
+        parts += server_bar(server, scale, 4 + row * ROW)
     parts.append("</svg>")
     return "".join(parts)
+
+
+def block_axis(num_blocks: int, scale: float) -> list[str]:
+    """The top row: block numbers, every `axis_step`-th one where all would not fit."""
+    step = axis_step(num_blocks, scale)
+    parts = [f'<text x="4" y="{ROW - 8}" font-size="12">block</text>']
+    for block in range(0, num_blocks, step):
+        x = LEFT + (block + 0.5) * scale
+        parts.append(f'<text class="axis" x="{x:.1f}" y="{ROW - 8}" font-size="10" text-anchor="middle">{block}</text>')
+    return parts
+
+
+def axis_step(num_blocks: int, scale: float) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... blocks between two labels that leaves room for the longest number."""
+    room = 7 * len(str(max(num_blocks - 1, 0)))
+    step = 1
+    while step * scale < room:
+        step = step * 5 // 2 if str(step).startswith("2") else step * 2
+    return step
+
+
+def count_row(counts: list[int], scale: float, y: float) -> list[str]:
+    """Per block, a cell coloured by how many usable servers hold it, with that count written in it."""
+    font = min(11.0, max(6.0, scale - 2))
+    parts = [f'<text x="4" y="{y + ROW - 10}" font-size="12">servers per block</text>']
+    for block, count in enumerate(counts):
+        x = LEFT + block * scale
+        fill = "#c0392b" if count == 0 else "#d5f0dc" if count == 1 else "#8fd3a3"
+        parts.append(f'<rect class="block" data-block="{block}" data-servers="{count}" x="{x:.1f}" y="{y}" '
+                     f'width="{scale - 1:.1f}" height="{ROW - 6}" fill="{fill}"><title>block {block}: {count} servers</title></rect>')
+        parts.append(f'<text class="count" x="{x + scale / 2:.1f}" y="{y + ROW - 10}" font-size="{font:g}" '
+                     f'text-anchor="middle" fill="{"white" if count == 0 else "black"}">{count}</text>')
+    return parts
+
+
+def server_bar(server: ServerStatus, scale: float, y: float) -> list[str]:
+    """One server's name on the left and its block range as a bar coloured by its state."""
+    x, width = LEFT + server.start_block * scale, (server.end_block - server.start_block) * scale - 1
+    label = f"{server.label} {server.start_block}:{server.end_block} {server.state}"
+    return [f'<text x="4" y="{y + ROW - 10}" font-size="12">{escape(server.label)}</text>',
+            (f'<rect class="server" data-name="{escape(server.label)}" data-state="{escape(server.state)}" '
+             f'x="{x:.1f}" y="{y}" width="{width:.1f}" height="{ROW - 6}" rx="4" fill="{server_color(server)}">'
+             f'<title>{escape(label)}</title></rect>'),
+            f'<text x="{x + 6:.1f}" y="{y + ROW - 10}" font-size="11" fill="white">{escape(label)}</text>']
 
 
 def servers_table(status: ModelStatus) -> str:

@@ -115,9 +115,7 @@ def generate(args: argparse.Namespace) -> None:
     if draft is not None:  # speculative generation opens its own session, as long as its trees need
         output = model.generate(input_ids, draft_model=draft, **kwargs)
         stats = model.last_speculation
-        spans = stats.chain
-        chain = (f", {stats.tree_rounds} draft-tree rounds of {sum(stats.accepted) / max(len(stats.accepted), 1):.2f} "
-                 f"tokens, {stats.plain_rounds} plain")
+        spans, chain = stats.chain, speculation_text(stats, output.shape[1] - input_ids.shape[1])
     else:
         with model.inference_session(max_length=max_length) as session:
             output = model.generate(input_ids, **kwargs)
@@ -130,6 +128,15 @@ def generate(args: argparse.Namespace) -> None:
         print(tokenizer.decode(output[0], skip_special_tokens=True) if tokenizer else " ".join(map(str, output[0].tolist())))
     print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, servers: {servers}{chain}]",
           file=sys.stderr)
+
+
+def speculation_text(stats, new_tokens: int) -> str:
+    """What speculative decoding did, in a user's words: tokens per step through the servers, on average."""
+    steps = stats.tree_rounds + stats.plain_rounds
+    if not steps:
+        return ""
+    return (f", speculative decoding: {new_tokens / steps:.1f} tokens per step on average "
+            f"({steps} steps through the servers)")
 
 
 def read_statuses(args: argparse.Namespace) -> list:

@@ -94,6 +94,29 @@ def check_blocks(args: argparse.Namespace) -> None:
                          f"pass --num-blocks {total} or fewer")
 
 
+def read_plan(args: argparse.Namespace) -> tuple[int, int, float, tuple[int, int]] | None:
+    """With --plan: --node's blocks [start, end), KV offload and the plan's (B, M), checked before joining the swarm."""
+    from bloombee.planner.placement import node_range, plan_schedule
+
+    if not args.plan:
+        return None
+    if not args.node:
+        raise UsageError("--plan needs --node NAME (the node's name in the plan)")
+    try:
+        report = json.loads(Path(args.plan).read_text())
+    except OSError as error:
+        raise UsageError(f"--plan {args.plan}: cannot read it ({error.strerror}); pass the file "
+                         "`bloombee-plan ... --json` wrote") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--plan {args.plan} is not JSON ({error}); write it with `bloombee-plan ... --json > "
+                         f"{args.plan}`") from None
+    try:
+        start, end, alpha = node_range(report, args.node)
+    except ValueError as error:
+        raise UsageError(f"--plan {args.plan}: {error}") from None
+    return start, end, alpha, plan_schedule(report)
+
+
 def run(args: argparse.Namespace, server_class: type | None = None) -> None:
     import torch
 
@@ -101,6 +124,7 @@ def run(args: argparse.Namespace, server_class: type | None = None) -> None:
 
     check_initial_peers(args.initial_peers)
     check_blocks(args)
+    planned = read_plan(args)
     if not args.new_swarm and not args.initial_peers:
         raise SystemExit("bloombee-server: pass --initial-peers of a running swarm, or --new-swarm to start one")
     settings = load_settings(ServerSettings, settings_overrides(args, ServerSettings))
@@ -111,33 +135,29 @@ def run(args: argparse.Namespace, server_class: type | None = None) -> None:
     dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal,
                     connect_timeout=settings.connect_timeout)
     try:
-        serve(args, settings, dht, server_class)
+        serve(args, settings, dht, planned, server_class)
     finally:
         dht.shutdown()
 
 
-def serve(args: argparse.Namespace, settings: ServerSettings, dht, server_class: type | None = None) -> None:
-    """Load the blocks this server is told (or chooses) to serve and serve them until a signal."""
+def serve(args: argparse.Namespace, settings: ServerSettings, dht, planned: tuple | None,
+          server_class: type | None = None) -> None:
+    """Load the blocks this server is told (`planned`: read_plan's answer) or chooses to serve and serve them until a
+    signal."""
     from bloombee.dht.peers import visible_maddrs
-    from bloombee.planner.placement import node_range, plan_schedule
     from bloombee.server.server import BlockChoice, Server
 
     if args.new_swarm:
         print("Started a new swarm. Join it with:", flush=True)
         print("  --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
-    if args.plan:
-        if not args.node:
-            raise SystemExit("bloombee-server: --plan needs --node NAME (the node's name in the plan)")
-        report = json.loads(Path(args.plan).read_text())
-        start, end, alpha = node_range(report, args.node)
-        planned = plan_schedule(report)
-    else:
-        start, end = args.blocks or (None, None)
-        planned, alpha = None, None
+    start, end = args.blocks or (None, None)
+    alpha, schedule = None, None
+    if planned is not None:
+        start, end, alpha, schedule = planned
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
     server = (server_class or Server)(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
                     public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
-                    profile=not args.no_profile, profile_path=args.profile, planned=planned,
+                    profile=not args.no_profile, profile_path=args.profile, planned=schedule,
                     planned_offload=alpha)
     stop_if_signalled()
     asyncio.run(server.run())

@@ -57,6 +57,7 @@ class SequenceManager:
         self._records: list[dict[str, ServerRecord]] = [{} for _ in range(num_blocks)]
         self._updated_at = float("-inf")
         self._bans: dict[str, tuple[float, int]] = {}
+        self._banned_records: dict[str, ServerRecord] = {}  # each banned server's record when it was banned
         self._incompatible: set[str] = set()  # servers skipped as incompatible, logged once
         self._held: dict[str, tuple[int, int]] = {}  # bytes this client's sessions took or gave back since the last read
         self._lock = threading.Lock()
@@ -80,9 +81,21 @@ class SequenceManager:
             _, failures = self._bans.get(peer_id, (0.0, 0))
             seconds = min(self.settings.ban_base_seconds * 2**failures, self.settings.ban_max_seconds)
             self._bans[peer_id] = (time.monotonic() + seconds, failures + 1)
+            record = next((records[peer_id] for records in self._records if peer_id in records), None)
+            if record is not None:
+                self._banned_records[peer_id] = record
         logger.warning("Banned server %s for %.0f s", peer_id, seconds)
 
     def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
+        return self.could_use(peer_id, record) and self.ban_left(peer_id) == 0
+
+    def ban_left(self, peer_id: str) -> float:
+        """Seconds until this client's ban of `peer_id` ends (0 when it is not banned)."""
+        banned_until, _ = self._bans.get(peer_id, (0.0, 0))
+        return max(banned_until - time.monotonic(), 0.0)
+
+    def could_use(self, peer_id: str, record: ServerRecord) -> bool:
+        """Whether this client would route through the server were it not banned."""
         if record.state != ServerState.ONLINE or {peer_id, record.public_name} & self.blocked_servers:
             return False
         problem = incompatibility(record)
@@ -91,10 +104,16 @@ class SequenceManager:
                 self._incompatible.add(peer_id)
                 logger.warning("Skipping server %s: %s (run the same bloombee version on both sides)", peer_id, problem)
             return False
-        if self.allowed_servers is not None and peer_id not in self.allowed_servers and record.public_name not in self.allowed_servers:
-            return False
-        banned_until, _ = self._bans.get(peer_id, (0.0, 0))
-        return time.monotonic() >= banned_until
+        return self.allowed_servers is None or peer_id in self.allowed_servers or record.public_name in self.allowed_servers
+
+    def banned_servers(self) -> dict[str, tuple[ServerRecord, float]]:
+        """Servers this client would use but banned: peer id -> (record, seconds of ban left). A frozen server's record
+        can be missing from a read (its own DHT node held it): its record from when it was banned stands in."""
+        with self._lock:
+            current = {peer_id: record for records in self._records for peer_id, record in records.items()}
+            records = {**self._banned_records, **current}
+            return {peer_id: (record, self.ban_left(peer_id)) for peer_id, record in records.items()
+                    if self.ban_left(peer_id) > 0 and self.could_use(peer_id, record)}
 
     def usable_servers(self) -> dict[str, ServerRecord]:
         """Usable servers' records, their free bytes net of what this client's sessions took since they were read."""
@@ -129,7 +148,16 @@ class SequenceManager:
             return self._route_and_hold(start, end, tokens)
         except MissingBlocksError:
             self.update(force=True)
+        try:
             return self._route_and_hold(start, end, tokens)
+        except MissingBlocksError as error:
+            raise MissingBlocksError(self._explain_missing(start, end) or str(error)) from None
+
+    def _explain_missing(self, start: int, end: int) -> str | None:
+        """Why blocks of [start, end) have no usable server when servers this client banned hold them."""
+        usable = self.usable_servers().values()
+        missing = [block for block in range(start, end) if not any(r.start_block <= block < r.end_block for r in usable)]
+        return banned_blocks_message(missing, self.banned_servers(), self.model_name)
 
     def _route_and_hold(self, start: int, end: int, tokens: int) -> list[Span]:
         """The best chain, counted as held at once: concurrent sessions of this client see each other's choice."""
@@ -216,3 +244,25 @@ def missing_blocks_message(servers: dict[str, ServerRecord], start: int, end: in
     return (f"blocks {format_ranges(missing)} of model {model_name!r} are not served by any usable online server; "
             f"start a server for them, e.g. `bloombee-server --model {model_name} --blocks {first}:{last + 1} "
             f"--initial-peers ...`")
+
+
+def banned_blocks_message(missing: list[int], banned: dict[str, tuple[ServerRecord, float]], model_name: str) -> str | None:
+    """The explanation when servers this client banned (failed or stopped answering: `banned` maps peer id to its
+    record and the seconds of ban left) hold some of the `missing` blocks, or None when none of them does."""
+    holders = {peer_id: (record, left) for peer_id, (record, left) in banned.items()
+               if any(record.start_block <= block < record.end_block for block in missing)}
+    if not holders:
+        return None
+    names = ", ".join(f"{record.public_name or peer_id} (blocks {record.start_block}:{record.end_block})"
+                      for peer_id, (record, _) in sorted(holders.items()))
+    held = [block for block in missing if any(r.start_block <= block < r.end_block for r, _ in holders.values())]
+    nobody = [block for block in missing if block not in held]
+    longest = max(left for _, left in holders.values())
+    message = (f"blocks {format_ranges(held)} of model {model_name!r} are served only by {names}, which stopped "
+               f"answering (failed or timed out) and {'is' if len(holders) == 1 else 'are'} banned by this client for "
+               f"up to {longest:.0f} s more; wait for {'it' if len(holders) == 1 else 'them'} to recover and retry, "
+               f"or start another server for those blocks: `bloombee-server --model {model_name} --blocks "
+               f"{held[0]}:{held[-1] + 1} --initial-peers ...`")
+    if nobody:
+        message += f" (blocks {format_ranges(nobody)} are not served by any online server at all)"
+    return message

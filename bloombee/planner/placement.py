@@ -9,7 +9,7 @@ def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
         raise ValueError(f"the plan file holds no feasible plan: {report.get('reason', 'no plan section')}")
     names, assignment = report["nodes"], report["plan"]["assignment"]
     if node not in names:
-        raise ValueError(f"node {node!r} is not in the plan; its nodes are {names}")
+        raise ValueError(f"node {node!r} is not in the plan; its nodes are {names}: pass one of them as --node")
     index = names.index(node)
     if assignment[index] == 0:
         raise ValueError(f"the plan gives node {node!r} no blocks (it is skipped); do not start it, or plan again")

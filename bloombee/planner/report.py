@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .baselines import BaselineResult
-from .evaluate import Evaluation, HopResult
-from .inputs import GIB, PlanInputs
+from .evaluate import Evaluation, HopResult, StageResult
+from .inputs import CpuShare, PlanInputs
+from .schedule import simulate
 from .search import Plan
 
 
@@ -19,7 +22,7 @@ def _codec(hop: HopResult) -> str:
 
 
 def _hop_text(hop: HopResult) -> str:
-    return f"{hop.raw_bytes / 1024:.0f} KiB @ {hop.bandwidth_mbps:g} Mbps + {hop.latency_s * 1e3:g} ms"
+    return f"{size_text(hop.raw_bytes)} @ {hop.bandwidth_mbps:g} Mbps + {hop.latency_s * 1e3:g} ms"
 
 
 def model_summary(inputs: PlanInputs) -> dict:
@@ -36,84 +39,134 @@ def model_summary(inputs: PlanInputs) -> dict:
     }
 
 
-def stage_table(evaluation: Evaluation, gpu_names: dict[str, str] | None = None) -> list[str]:
-    """One line per node (skipped ones too) and one for the client's uplink; '*' marks the bottleneck."""
-    w = max([6] + [len(s.node) for s in evaluation.stages])
-    header = (
-        f"  {'node':<{w}} {'gpu':<10} {'blocks':>12} {'alpha':>6} {'GPU mem GiB':>14} {'host KV GiB':>12} "
-        f"{'T_comp ms':>10} {'T_comm ms':>10}  next hop"
-    )
-    lines = [header, "  " + "-" * (len(header) - 2)]
+def size_text(size: float) -> str:
+    """Bytes in the largest unit that keeps the figure at least 1 (so a small model's sizes do not read as 0)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.{_decimals(size / scale)}f} {unit}"
+    return f"{size:.0f} B"
+
+
+def _decimals(value: float) -> int:
+    return 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+
+
+def _memory(used: float, capacity: float) -> str:
+    return f"{size_text(used)} / {size_text(capacity)}"
+
+
+def model_line(inputs: PlanInputs) -> str:
+    """The report's first line: the model's sizes per block in the workload's dtype, the context and the nodes."""
+    model, wl = model_summary(inputs), inputs.workload
+    return (f"model {model['name']}: {model['num_blocks']} blocks, {size_text(model['weight_bytes_per_block'])} of "
+            f"weights and {size_text(model['kv_bytes_per_token_per_block'])} of KV per token per block ({wl.dtype}); "
+            f"context {wl.seq_len}; {len(inputs.nodes)} nodes in pipeline order")
+
+
+def stage_table(evaluation: Evaluation, devices: dict[str, str] | None = None) -> list[str]:
+    """One line per node (skipped ones too) and one for the client's uplink; '*' marks the bottleneck. Columns are as
+    wide as their widest entry, so nothing is cut."""
+    devices = devices or {}
+    rows = [_stage_cells(stage, devices.get(stage.node, "")) for stage in evaluation.stages]
+    client = ["client", "", "", "", "", "", "", _ms(evaluation.client_hop.time_s), _next_hop(evaluation.client_hop)]
+    header = ["node", "device", "blocks", "alpha", "device mem", "host KV", "T_comp ms", "T_comm ms", "next hop"]
+    widths = [max(len(row[i]) for row in [header, client, *rows]) for i in range(len(header) - 1)]
+    marks = [_is_bottleneck(evaluation, stage) for stage in evaluation.stages]
     bottleneck = evaluation.bottleneck or ""
-    hop = evaluation.client_hop
-    mark = "*" if bottleneck.startswith("client ->") else " "
-    lines.append(
-        f"{mark} {'client':<{w}} {'':<10} {'':>12} {'':>6} {'':>14} {'':>12} {'':>10} {_ms(hop.time_s):>10}  "
-        f"-> {hop.dst}: {_codec(hop)}, {_hop_text(hop)}"
-    )
-    for stage in evaluation.stages:
-        gpu = (gpu_names or {}).get(stage.node, "")
-        if not stage.active:
-            lines.append(f"  {stage.node:<{w}} {gpu:<10} {'skipped':>12}")
-            continue
-        is_bottleneck = bottleneck == stage.node or bottleneck.startswith(f"{stage.node} (") or bottleneck.startswith(
-            f"{stage.node} ->"
-        )
-        mark = "*" if is_bottleneck else " "
-        blocks = f"{stage.start}:{stage.end} ({stage.blocks})"
-        gpu_mem = f"{stage.gpu_used_bytes / GIB:.1f}/{stage.gpu_capacity_bytes / GIB:.0f}"
-        host_mem = f"{stage.host_used_bytes / GIB:.1f}/{stage.host_capacity_bytes / GIB:.0f}"
-        nxt = f"-> {stage.hop.dst}: {_codec(stage.hop)}, {_hop_text(stage.hop)}"
-        lines.append(
-            f"{mark} {stage.node:<{w}} {gpu:<10} {blocks:>12} {stage.alpha:>6.2f} {gpu_mem:>14} {host_mem:>12} "
-            f"{_ms(stage.t_comp_s):>10} {_ms(stage.t_comm_s):>10}  {nxt}"
-        )
-    return lines
+    first = _row(header, widths, " ")
+    lines = [first, "  " + "-" * (len(first) - 2), _row(client, widths, "*" if bottleneck.startswith("client ->") else " ")]
+    lines += [_row(row, widths, "*" if mark else " ") for row, mark in zip(rows, marks)]
+    return [line.rstrip() for line in lines]
 
 
-def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineResult], simulated_s: float | None) -> str:
+def _row(cells: list[str], widths: list[int], mark: str) -> str:
+    """Names left-aligned (node, device), figures right-aligned, the next hop last."""
+    aligned = [cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths))]
+    return f"{mark} " + " ".join(aligned) + "  " + cells[-1]
+
+
+def _stage_cells(stage: StageResult, device: str) -> list[str]:
+    if not stage.active:
+        return [stage.node, device, "skipped", "", "", "", "", "", ""]
+    return [stage.node, device, f"{stage.start}:{stage.end} ({stage.blocks})", f"{stage.alpha:.2f}",
+            _memory(stage.gpu_used_bytes, stage.gpu_capacity_bytes), _memory(stage.host_used_bytes, stage.host_capacity_bytes),
+            _ms(stage.t_comp_s), _ms(stage.t_comm_s), _next_hop(stage.hop)]
+
+
+def _next_hop(hop: HopResult) -> str:
+    return f"-> {hop.dst}: {_codec(hop)}, {_hop_text(hop)}"
+
+
+def _is_bottleneck(evaluation: Evaluation, stage: StageResult) -> bool:
+    bottleneck = evaluation.bottleneck or ""
+    return stage.active and (bottleneck == stage.node or bottleneck.startswith((f"{stage.node} (", f"{stage.node} ->")))
+
+
+def simulated_throughput(evaluation: Evaluation, simulated_s: float) -> float:
+    """Tokens per second of one simulated step: one token per sequence of the batch."""
+    return evaluation.batch_size / simulated_s if simulated_s > 0 else float("inf")
+
+
+def plot_title(evaluation: Evaluation, simulated_s: float) -> str:
+    """The schedule plot's title: the headline figure of the text report."""
+    return (f"B={evaluation.batch_size}, M={evaluation.micro_batches} (micro-batch {evaluation.micro_batch_size}), "
+            f"{simulated_throughput(evaluation, simulated_s):.1f} tokens/s over the simulated {simulated_s * 1e3:.1f} ms "
+            f"step; bottleneck {evaluation.bottleneck}")
+
+
+def _closed_form(ev: Evaluation) -> str:
+    kind = "sum of stage and hop times" if ev.micro_batches == 1 else f"one micro-batch's trip + (M - 1) x cycle {ev.cycle_s * 1e3:.2f} ms"
+    return f"closed-form estimate the DP optimised: {ev.step_time_s * 1e3:.1f} ms/step ({kind})"
+
+
+def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineResult],
+                cpus: Mapping[str, CpuShare] | None = None) -> str:
+    """The plan as text: the model, the stage table, the headline throughput (from the simulated step), the
+    baselines (simulated alike) and the closed-form figures the DP compared."""
     ev = plan.evaluation
-    model = model_summary(inputs)
-    wl = inputs.workload
-    lines = [
-        f"model {model['name']}: {model['num_blocks']} blocks, {model['weight_bytes_per_block'] / GIB:.2f} GiB of "
-        f"weights and {model['kv_bytes_per_token_per_block'] / 1024:.0f} KiB of KV per token per block ({wl.dtype}); "
-        f"context {wl.seq_len}; {len(inputs.nodes)} nodes in pipeline order",
-        "",
-    ]
-    lines += stage_table(ev, {node.name: (node.gpu or "")[:10] for node in inputs.nodes})
-    kind = "sum of stage and hop times" if ev.micro_batches == 1 else f"trip + (M - 1) x cycle {ev.cycle_s * 1e3:.2f} ms"
+    simulated_s = simulate(ev, cpus)[1]
+    throughput = simulated_throughput(ev, simulated_s)
+    lines = [model_line(inputs), ""]
+    lines += stage_table(ev, {node.name: node.gpu or "" for node in inputs.nodes})
     lines += [
         "  (* bottleneck)",
         "",
-        f"chosen: batch size B={plan.batch_size}, M={plan.micro_batches} micro-batch(es) of {plan.micro_batch_size}, "
-        f"{ev.num_active} active stage(s), assignment {plan.assignment}",
-        f"step time {ev.step_time_s * 1e3:.1f} ms ({kind}); bottleneck: {ev.bottleneck}",
+        (f"chosen: batch size B={plan.batch_size}, M={plan.micro_batches} micro-batch(es) of {plan.micro_batch_size}, "
+         f"{ev.num_active} active stage(s), assignment {plan.assignment}"),
+        (f"throughput: {throughput:.1f} tokens/s (B={plan.batch_size} tokens per simulated step of "
+         f"{simulated_s * 1e3:.1f} ms); bottleneck: {ev.bottleneck}"),
+        _closed_form(ev),
     ]
-    if simulated_s is not None:
-        lines.append(f"simulated micro-batch schedule: {simulated_s * 1e3:.1f} ms per step")
     compressed = [f"{h.src}->{h.dst}" for h in _hops(ev) if h.compressed]
     lines.append("compression on: " + (", ".join(compressed) if compressed else "no hop (it does not pay on these links)"))
-    lines.append(f"estimated throughput: {plan.throughput:.1f} tokens/s")
-    lines.append("")
-    lines.append("baselines (same cost model, each at its best candidate B, M):")
+    lines += ["", "baselines (each at its best candidate B, M by the closed form; tokens/s over its simulated step):"]
+    lines += _baseline_lines(baselines, throughput, cpus)
+    lines += ["", "closed-form tokens/s per candidate, what the DP compared (rows B, columns M; - infeasible):"]
+    lines += _candidate_grid(plan)
+    return "\n".join(lines)
+
+
+def _baseline_lines(baselines: dict[str, BaselineResult], throughput: float,
+                    cpus: Mapping[str, CpuShare] | None) -> list[str]:
+    lines = []
     for name, label in (("even", "even split"), ("greedy", "greedy (Petals)")):
         result = baselines.get(name)
         if result is None:
             continue
         if result.evaluation is None:
             lines.append(f"  {label:<16} infeasible: {result.reason}")
-        else:
-            b = result.evaluation
-            ratio = plan.throughput / b.throughput if b.throughput > 0 else float("inf")
-            lines.append(
-                f"  {label:<16} {b.throughput:8.1f} tokens/s  B={b.batch_size} M={b.micro_batches}  {b.assignment}  "
-                f"(plan is {ratio:.2f}x)"
-            )
-    lines.append("")
-    lines.append("tokens/s per candidate (rows B, columns M; - infeasible):")
+            continue
+        b = result.evaluation
+        theirs = simulated_throughput(b, simulate(b, cpus)[1])
+        ratio = throughput / theirs if theirs > 0 else float("inf")
+        lines.append(f"  {label:<16} {theirs:8.1f} tokens/s  B={b.batch_size} M={b.micro_batches}  {b.assignment}  "
+                     f"(plan is {ratio:.2f}x)")
+    return lines
+
+
+def _candidate_grid(plan: Plan) -> list[str]:
     micro = sorted({c.micro_batches for c in plan.candidates})
-    lines.append("  " + f"{'B':>6}" + "".join(f"{'M=' + str(m):>10}" for m in micro))
+    lines = ["  " + f"{'B':>6}" + "".join(f"{'M=' + str(m):>10}" for m in micro)]
     for batch in sorted({c.batch_size for c in plan.candidates}):
         row = {c.micro_batches: c for c in plan.candidates if c.batch_size == batch}
         cells = []
@@ -121,20 +174,26 @@ def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineRes
             cand = row.get(m)
             cells.append(f"{cand.throughput:>10.1f}" if cand is not None and cand.throughput is not None else f"{'-':>10}")
         lines.append("  " + f"{batch:>6}" + "".join(cells))
-    return "\n".join(lines)
+    return lines
 
 
 def _hops(ev: Evaluation) -> list[HopResult]:
     return [ev.client_hop] + [s.hop for s in ev.active_stages]
 
 
-def json_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineResult], simulated_s: float | None) -> dict:
+def json_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineResult],
+                cpus: Mapping[str, CpuShare] | None = None) -> dict:
+    """The plan as JSON: ``throughput_tokens_per_s`` is the headline figure (over the simulated step); the plan's
+    own ``throughput_tokens_per_s`` and ``step_time_s`` are the closed form the DP optimised."""
+    simulated_s = simulate(plan.evaluation, cpus)[1]
     return {
         "model": model_summary(inputs),
         "workload": inputs.workload.model_dump(),
         "nodes": inputs.node_names,
+        "throughput_tokens_per_s": simulated_throughput(plan.evaluation, simulated_s),
+        "simulated_step_s": simulated_s,
+        "closed_form_step_s": plan.evaluation.step_time_s,
         "plan": plan.to_dict(),
         "compressed_hops": [f"{h.src}->{h.dst}" for h in _hops(plan.evaluation) if h.compressed],
-        "simulated_step_s": simulated_s,
         "baselines": {name: result.to_dict() for name, result in baselines.items()},
     }

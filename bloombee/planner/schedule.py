@@ -241,7 +241,7 @@ def plot_schedule(evaluation: Evaluation, path: str, title: str = "", cpus: Mapp
             Patch(facecolor="white", edgecolor="black", hatch="//", label="transfer"),
             Patch(facecolor="white", edgecolor="black", hatch="..", label="message handling (CPU)"),
             plt.Line2D([], [], color="black", linestyle="--", label=f"simulated step {makespan * 1e3:.1f} ms"),
-            plt.Line2D([], [], color="red", linestyle=":", label=f"planner's estimate {evaluation.step_time_s * 1e3:.1f} ms"),
+            plt.Line2D([], [], color="red", linestyle=":", label=f"closed-form estimate the DP optimised {evaluation.step_time_s * 1e3:.1f} ms"),
         ],
         loc="lower center",
         ncol=5,

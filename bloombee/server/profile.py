@@ -18,11 +18,12 @@ import torch
 
 from bloombee import codec
 from bloombee.host import cpu_share
+from bloombee.loading import load_block_stack, resolve_model
 from bloombee.planner import NodeSpec
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
 from bloombee.server.measure_cache import CACHE_DIR, cached
-from bloombee.server.memory import CUDA_RESERVED
+from bloombee.server.memory import CUDA_RESERVED, default_budgets
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,15 @@ def _attention_ms(backend: BlockBackend, batch: int, seq_len: int, offload: floa
     return [max(long - short, 0.0) for long, short in zip(attend(seq_len), attend(1))]
 
 
-def _cost_columns(backend: BlockBackend, seq_len: int, offload: float) -> tuple[list[float], list[float]]:
+def _cost_columns(backend: BlockBackend, seq_len: int, offload: float,
+                  micro_batches: tuple[int, ...] = MICRO_BATCHES) -> tuple[list[float], list[float]]:
     """Per micro-batch size: (context-free ms, attention ms over seq_len tokens), each the median of its samples
     over every pass (robust to a busy moment, and the typical time rather than the luckiest)."""
-    mlp: list[list[float]] = [[] for _ in MICRO_BATCHES]
-    attention: list[list[float]] = [[] for _ in MICRO_BATCHES]
-    sizes = [(round_, index) for round_ in range(ROUNDS) for index in range(len(MICRO_BATCHES))]
+    mlp: list[list[float]] = [[] for _ in micro_batches]
+    attention: list[list[float]] = [[] for _ in micro_batches]
+    sizes = [(round_, index) for round_ in range(ROUNDS) for index in range(len(micro_batches))]
     for _, index in progress(sizes, "profiling blocks", unit="size"):
-        batch = MICRO_BATCHES[index]
+        batch = micro_batches[index]
         mlp[index] += _decode_ms(backend, batch)
         attention[index] += _attention_ms(backend, batch, seq_len, offload)
     return [statistics.median(times) for times in mlp], [statistics.median(times) for times in attention]
@@ -108,10 +110,14 @@ def _codec_figures(hidden: torch.Tensor) -> dict:
 
 def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float, device: torch.device,
                    memory: tuple[int, int], cache_path: Path = CACHE_DIR / "profiles.json") -> dict:
-    """The planner node of this server: what `measure()` returns (measured once per `key`), named, with its link,
-    its (device, host) memory budgets in bytes and, on a CPU, the machine and cores its compute shares with other
-    servers there."""
-    node = {**cached(cache_path, f"{key}|v{PROFILE_VERSION}", measure), "name": name,
+    """The planner node of this server: what `measure()` returns (measured once per `key`) as `planner_node`."""
+    return planner_node(cached(cache_path, f"{key}|v{PROFILE_VERSION}", measure), name, link_mbps, device, memory)
+
+
+def planner_node(measured: dict, name: str, link_mbps: float, device: torch.device, memory: tuple[int, int]) -> dict:
+    """A planner node: `measure_profile`'s figures, named, with its link, its (device, host) memory budgets in bytes
+    and, on a CPU, the machine and cores its compute shares with other nodes there."""
+    node = {**measured, "name": name,
             "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0},
             "gpu_memory_gib": memory[0] / GIB, "host_memory_gib": memory[1] / GIB,
             "reserved_gib": CUDA_RESERVED / GIB if device.type == "cuda" else 0.0}
@@ -121,18 +127,32 @@ def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: 
     return node
 
 
-def measure_profile(backend: BlockBackend, seq_len: int = 32) -> dict:
-    """The planner node of this server but its memory and link: on a GPU, attention is timed twice, with the KV
-    cache on the device and with all of it offloaded (in host memory, attended by the CPU)."""
-    mlp, attention_device = _cost_columns(backend, seq_len, 0.0)
-    attention_host = attention_device if backend.device.type == "cpu" else _cost_columns(backend, seq_len, 1.0)[1]
+def measure_profile(backend: BlockBackend, seq_len: int = 32, micro_batches: tuple[int, ...] = MICRO_BATCHES) -> dict:
+    """The planner node of this server but its memory and link, timed at `micro_batches` sizes: on a GPU, attention
+    is timed twice, with the KV cache on the device and with all of it offloaded (in host memory, attended by the
+    CPU)."""
+    mlp, attention_device = _cost_columns(backend, seq_len, 0.0, micro_batches)
+    attention_host = (attention_device if backend.device.type == "cpu"
+                      else _cost_columns(backend, seq_len, 1.0, micro_batches)[1])
     sample = _prompt_outputs(backend, 16, seq_len)
     device_name = torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu"
     node = {
         "gpu": f"{device_name} ({str(backend.dtype).removeprefix('torch.')})",
-        "cost": {"table": {"micro_batch": list(MICRO_BATCHES), "mlp_ms": mlp, "attn_gpu_ms": attention_device,
+        "cost": {"table": {"micro_batch": list(micro_batches), "mlp_ms": mlp, "attn_gpu_ms": attention_device,
                            "attn_cpu_ms": attention_host}, "reference_seq_len": seq_len},
         "compression": _codec_figures(sample),
     }
     logger.info("Profile: %s", node["cost"]["table"])
     return node
+
+
+def measure_node(model: str, name: str, device: str = "cpu", dtype: str = "auto", seq_len: int = 32,
+                 micro_batches: tuple[int, ...] = MICRO_BATCHES, link_mbps: float = 100.0) -> dict:
+    """A planner node of this machine for `model` (what `bloombee-plan --measure` prints for a nodes.yaml), timed on
+    the model's first block: every block of a model has the same shapes."""
+    where = torch.device(device)
+    stack = load_block_stack(resolve_model(model), 0, 1, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+                             device=where)
+    backend = BlockBackend(stack, where, next(stack.parameters()).dtype)
+    return planner_node(measure_profile(backend, seq_len, tuple(micro_batches)), name, link_mbps, where,
+                        default_budgets(where, "auto", "auto"))
