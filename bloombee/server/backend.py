@@ -9,6 +9,7 @@ from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.models.core.offload import host_kv_heads
 from bloombee.models.core.kv_cache import compact_slots
+from bloombee.protocol import ErrorKind, InvalidStep
 from bloombee.server.memory import SessionBytes
 from bloombee.server.sessions import Session
 from bloombee.speculative.pruning import TreePruner
@@ -18,11 +19,15 @@ from bloombee.speculative.tree import (PackedTrees, TokenTree, dense_rows, depth
 logger = logging.getLogger(__name__)
 
 
-class InvalidStep(ValueError):
-    """A step's inputs do not fit the session (shape, dtype, positions); the message says what to fix."""
+BAD_INPUT = (InvalidStep, CodecError, ValidationError)  # the caller's fault, as validated: an INVALID error
 
 
-BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller's fault: an INVALID error
+def error_reply(error: Exception) -> tuple[ErrorKind, str]:
+    """What a failure of a request tells its sender: INVALID and the reason for validated bad input (retrying
+    elsewhere will not help), else INTERNAL (this server failed: the client may fail over)."""
+    if isinstance(error, BAD_INPUT):
+        return ErrorKind.INVALID, str(error)
+    return ErrorKind.INTERNAL, f"{type(error).__name__}: {error}"
 
 
 class BlockBackend:
