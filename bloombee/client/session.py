@@ -27,6 +27,7 @@ from bloombee.protocol import (
     Feature,
     HistoryMessage,
     Hop,
+    LinearStep,
     MessageKind,
     OutputMessage,
     StepHeader,
@@ -232,10 +233,9 @@ class InferenceSession:
         """Each micro-batch's tensors of a step of consecutive tokens."""
         result = []
         for offset, size in parts:
-            tensors = {"hidden": hidden[offset:offset + size]}
-            if not bool(mask[offset:offset + size].all()):
-                tensors["token_mask"] = mask[offset:offset + size]
-            result.append((offset, tensors))
+            rows = mask[offset:offset + size]
+            step = LinearStep(hidden[offset:offset + size], None if bool(rows.all()) else rows)
+            result.append((offset, step.tensors()))
         return result
 
     # -- tree steps (speculative decoding) ----------------------------------------------------------

@@ -140,9 +140,10 @@ class BlockServicer:
             raise InvalidStep(f"a pushed step may carry at most {self.max_request_bytes} bytes of tensors")
         if step_kind(frames, header.compact_start is not None) is not LinearStep:
             return session, header  # a tree step's shapes depend on its trees' values: checked when it is computed
-        shaped = {name: torch.empty(frame.shape, dtype=frame.dtype, device="meta") for name, frame in frames.items()}
-        self.backend.check_step(session, shaped["hidden"], header.start_position, header.batch_offset,
-                                shaped.get("token_mask"), shaped.get("rope_positions"))
+        step = LinearStep.from_tensors({name: torch.empty(frame.shape, dtype=frame.dtype, device="meta")
+                                        for name, frame in frames.items()})
+        self.backend.check_step(session, step.hidden, header.start_position, header.batch_offset, step.token_mask,
+                                step.rope_positions)
         return session, header
 
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
