@@ -160,6 +160,9 @@ class BlockBackend:
         ancestors at rope positions from their depths; the packed outputs and trees, pruned when `prune_tau` is set
         and this server holds a pruner for the session's last block."""
         width = self.check_tree_step(session, hidden, start_position, batch_offset, trees)
+        pruning = prune_tau is not None and self.pruner is not None and session.end_block == self.end
+        if pruning:
+            self._check_tokens(trees.tokens)
         rows, end = slice(batch_offset, batch_offset + trees.num_rows), start_position + width
         for row in range(batch_offset, rows.stop):
             if row in session.trees:  # this tree again (a retry): what the earlier one wrote is masked first
@@ -178,9 +181,16 @@ class BlockBackend:
         for row, (_, _, ids) in zip(range(batch_offset, rows.stop), trees.rows()):
             session.trees[row] = (start_position, ids.clone())
         packed = packed_rows(out, trees.counts)
-        if prune_tau is None or self.pruner is None or session.end_block != self.end:
+        if not pruning:
             return packed, trees
         return self._prune(packed, trees, prune_tau)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """Raise InvalidStep unless the tree tokens a pruner scores are ids of the model's vocabulary."""
+        vocab = self.stack.config.vocab_size
+        if bool(((tokens < 0) | (tokens >= vocab)).any()):
+            raise InvalidStep(f"tree tokens must be ids of the model's vocabulary [0, {vocab}), got "
+                              f"{int(tokens.min())} to {int(tokens.max())}")
 
     def _prune(self, hidden: torch.Tensor, trees: PackedTrees, tau: float) -> tuple[torch.Tensor, PackedTrees]:
         """Drop each row's candidates scoring below `tau` (and their descendants); the kept nodes, packed."""
