@@ -19,8 +19,9 @@ FORBIDDEN = {
 }
 
 
-def imported_modules(path: Path, root: Path = PACKAGE.parent) -> set[str]:
-    """Every absolute module a file imports, resolving relative imports against its package."""
+def imported_modules(path: Path, root: Path = PACKAGE.parent, names: bool = False) -> set[str]:
+    """Every absolute module a file imports, resolving relative imports against its package; with `names`,
+    `module.name` for each name of a `from module import name` instead of `module` (see `resolve`)."""
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -29,7 +30,7 @@ def imported_modules(path: Path, root: Path = PACKAGE.parent) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = package.rsplit(".", node.level - 1)[0] if node.level else ""
             module = ".".join(part for part in (base, node.module or "") if part)
-            found.add(module)
+            found.update({f"{module}.{alias.name}" for alias in node.names} if names else {module})
     return found
 
 
@@ -91,3 +92,54 @@ def test_the_time_check_sees_a_transfer_time_and_a_rule(tmp_path):
     module.parent.mkdir(parents=True)
     module.write_text("def break_even_rate(a):\n    return a\n\n\ndef f(record, n):\n    return n / record.link_bandwidth\n")
     assert len(time_estimates_in(module, tmp_path)) == 2
+
+
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    """The dotted name of a module file (a package's `__init__.py` is the package)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (under TYPE_CHECKING and in functions too; `from pkg import sub`
+    imports the submodule `pkg.sub`, `from pkg import name` the package's `__init__`)."""
+    paths = {module_name(path, package.parent): path for path in package.rglob("*.py")}
+    return {module: {resolve(name, paths) for name in imported_modules(path, package.parent, names=True)}
+            & set(paths) - {module} for module, path in paths.items()}
+
+
+def resolve(name: str, modules) -> str:
+    """The module an imported `name` is: itself if it is one (a submodule), else the module it comes from."""
+    return name if name in modules else name.rsplit(".", 1)[0]
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for module in graph[todo.pop()] - seen:
+            seen.add(module)
+            todo.append(module)
+    return seen
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, each sorted."""
+    reach = {module: reachable(graph, module) for module in graph}
+    components = {frozenset(m for m in reach[module] if module in reach[m]) | {module} for module in graph}
+    return sorted(sorted(component) for component in components if len(component) > 1)
+
+
+def test_no_import_cycles_among_the_modules():
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_type_checking_imports_and_submodules(tmp_path):
+    package = tmp_path / "bloombee"
+    (package / "pkg").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pkg" / "__init__.py").write_text("from bloombee.pkg.a import A\nfrom bloombee.pkg.d import D\n")
+    (package / "pkg" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n")
+    (package / "pkg" / "b.py").write_text("from bloombee.pkg import A\n")  # the package's re-export: a cycle
+    (package / "pkg" / "c.py").write_text("")
+    (package / "pkg" / "d.py").write_text("from bloombee.pkg import c\n")  # the submodule: no cycle
+    assert import_cycles(import_graph(package)) == [["bloombee.pkg", "bloombee.pkg.a", "bloombee.pkg.b"]]

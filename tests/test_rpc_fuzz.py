@@ -22,7 +22,8 @@ from bloombee.client.loop import client_loop, run_sync
 from bloombee.codec.frame import LANE_RAW, checksum, pack_header
 from bloombee.dht.peers import start_dht
 from bloombee.dht.records import fetch_records
-from bloombee.protocol import ErrorKind, Message, MessageKind, OpenSession, StepHeader, envelope, pack, unpack
+from bloombee.protocol import (ErrorKind, ForwardMessage, InfoMessage, Message, MessageKind, OpenMessage, OpenSession,
+                               StepHeader, StepMessage, envelope, pack, unpack)
 from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import queue_stream
 from swarm_support import NUM_BLOCKS, client, save_tiny_llama, start_swarm
@@ -79,7 +80,7 @@ def wrong_hidden(rng: random.Random) -> torch.Tensor:
 
 def with_frames(metadata: bytes, frames: list[tuple[str, bytes]]):
     """An envelope of exactly these metadata bytes and named frames."""
-    request = envelope(Message(kind=MessageKind.INFO))
+    request = envelope(InfoMessage())
     request.metadata = metadata
     for name, frame in frames:
         request.tensors.add(buffer=frame, dtype=name)
@@ -166,7 +167,7 @@ class Fuzzer:
         ])
 
     async def fuzz_info(self, expected_keys: set[str]) -> None:
-        valid = pack(Message(kind=MessageKind.INFO))
+        valid = pack(InfoMessage())
         for _ in range(PER_KIND // WINDOW):
             window = [self.bad_info() for _ in range(WINDOW)]
             window.insert(self.rng.randrange(WINDOW), valid)
@@ -195,7 +196,7 @@ class Fuzzer:
 
     async def fuzz_forward(self, hidden: torch.Tensor, expected: torch.Tensor) -> None:
         stream = await Stream(self.stub.rpc_forward).start()
-        valid = pack(Message(kind=MessageKind.FORWARD, start_block=0, end_block=NUM_BLOCKS), {"hidden": hidden})
+        valid = pack(ForwardMessage(start_block=0, end_block=NUM_BLOCKS), {"hidden": hidden})
         for _ in range(PER_KIND // WINDOW):
             window = [self.bad_forward(hidden) for _ in range(WINDOW)]
             window.insert(self.rng.randrange(WINDOW), valid)
@@ -247,7 +248,7 @@ class Fuzzer:
     async def open_session(self, session_id: str, max_length: int, batch_size: int) -> Stream:
         request = OpenSession(session_id=session_id, start_block=0, end_block=NUM_BLOCKS, max_length=max_length,
                               batch_size=batch_size)
-        stream = await Stream(self.stub.rpc_inference).start(pack(Message(kind=MessageKind.OPEN, open=request)))
+        stream = await Stream(self.stub.rpc_inference).start(pack(OpenMessage(open=request)))
         assert (await stream.reply())[0].kind == MessageKind.OPENED
         return stream
 
@@ -256,7 +257,7 @@ class Fuzzer:
     def step(self, session_id: str, hidden: torch.Tensor, start: int, step_id: int | None = None, **tensors):
         header = StepHeader(session_id=session_id, step_id=next(self.step_ids) if step_id is None else step_id,
                             start_position=start)
-        return pack(Message(kind=MessageKind.STEP, step=header), {"hidden": hidden, **tensors})
+        return pack(StepMessage(step=header), {"hidden": hidden, **tensors})
 
     def bad_step(self, session_id: str, other_id: str, prefix: torch.Tensor, probe: torch.Tensor):
         """A malformed step (or history request) for `session_id`; `other_id` is another client's session."""
@@ -381,11 +382,11 @@ async def fuzz_all(fuzzer: Fuzzer, other: Fuzzer, info_keys: set[str], forward_i
 
 
 async def server_info(fuzzer: Fuzzer) -> dict:
-    return unpack(await fuzzer.stub.rpc_info(pack(Message(kind=MessageKind.INFO)), timeout=TIMEOUT))[0].info
+    return unpack(await fuzzer.stub.rpc_info(pack(InfoMessage()), timeout=TIMEOUT))[0].info
 
 
 async def clean_forward(fuzzer: Fuzzer, hidden: torch.Tensor) -> torch.Tensor:
-    request = pack(Message(kind=MessageKind.FORWARD, start_block=0, end_block=NUM_BLOCKS), {"hidden": hidden})
+    request = pack(ForwardMessage(start_block=0, end_block=NUM_BLOCKS), {"hidden": hidden})
     stream = await Stream(fuzzer.stub.rpc_forward).start(request)
     message, tensors = await stream.reply()
     assert message.kind == MessageKind.OUTPUT and await stream.close() == []

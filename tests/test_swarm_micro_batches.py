@@ -11,7 +11,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from bloombee.client.loop import client_loop, run_sync
-from bloombee.protocol import Hop, Message, MessageKind, StepHeader, encode_tensors, envelope, unpack
+from bloombee.protocol import Hop, MessageKind, StepHeader, StepMessage, encode_tensors, envelope, parse_message, unpack
 from swarm_support import client, reference, save_tiny_llama, start_swarm
 from test_swarm_failover import KillServerAt
 
@@ -93,7 +93,7 @@ def test_a_micro_batch_delivered_twice_is_applied_once(swarm):
 class Reply:
     def __init__(self, item):
         self.envelope = item
-        self.reports = Message.model_validate_json(item.metadata).reports
+        self.reports = parse_message(item.metadata).reports
 
 
 def resend_last_row(model, session, row, start):
@@ -104,13 +104,13 @@ def resend_last_row(model, session, row, start):
                       for s in chain[1:])
         header = StepHeader(session_id=chain[0].session_id, step_id=10_000, start_position=start, batch_offset=1,
                             route=route)
-        message = envelope(Message(kind=MessageKind.STEP, step=header), encode_tensors({"hidden": row}).frames)
+        message = envelope(StepMessage(step=header), encode_tensors({"hidden": row}).frames)
         replies = []
         for _ in range(2):
             await chain[0].send(message)
             while True:
                 stream, item = await session._events.get()
-                if stream is chain[-1] and Message.model_validate_json(item.metadata).kind == MessageKind.OUTPUT:
+                if stream is chain[-1] and parse_message(item.metadata).kind == MessageKind.OUTPUT:
                     replies.append(Reply(item))
                     break
         return replies

@@ -342,6 +342,9 @@ def test_malformed_trees_are_refused_and_the_server_goes_on(swarm, draft, tokeni
             for problem, trees in bad.items():
                 with pytest.raises(RequestRejected, match=f"server front rejected the request: {problem}"):
                     session.tree_step(hidden, trees)
+            tokens_beyond = PackedTrees(good.offsets, good.parents, good.tokens + 10**6, good.ids)
+            with pytest.raises(RequestRejected, match="server front rejected the request: tree tokens must be ids"):
+                session.tree_step(hidden, tokens_beyond, prune_tau=0.5)  # what the pruner would score
             # offsets that do not cover the nodes given: the client refuses them rather than send a part of them
             with pytest.raises(ValueError, match="tree offsets must run from 0 to the 14 nodes given"):
                 session.tree_step(hidden, PackedTrees(torch.tensor([0, 7, 10]), good.parents, good.tokens, good.ids))

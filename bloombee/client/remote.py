@@ -13,7 +13,7 @@ from bloombee.client.routing import SequenceManager
 from bloombee.client.session import InferenceSession
 from bloombee.client.verification import forward_span
 from bloombee.codec import CompressionPolicy
-from bloombee.protocol import Message, MessageKind, pack
+from bloombee.protocol import InfoMessage, pack, parse_message
 from bloombee.protocol.service import block_service_stub
 from bloombee.settings import ClientSettings
 
@@ -52,11 +52,12 @@ class RemoteSequential:
                                    self.policy_for, self.link_bandwidth, self.choose_micro_batches)
         return session.open()
 
-    def server_info(self, peer_id: str) -> dict:
-        """What a server says about itself (its record, open sessions, cache left)."""
+    def server_info(self, peer_id: str) -> dict | None:
+        """What a server says about itself (its record, open sessions, cache left); None if it answers an error."""
         stub = block_service_stub(self.p2p, peer_id)
-        reply = run_sync(stub.rpc_info(pack(Message(kind=MessageKind.INFO)), timeout=self.settings.request_timeout))
-        return Message.model_validate_json(reply.metadata).info
+        reply = run_sync(stub.rpc_info(pack(InfoMessage()), timeout=self.settings.request_timeout))
+        message = parse_message(reply.metadata)
+        return message.info if isinstance(message, InfoMessage) else None
 
     def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Stateless forward of whole sequences through every block, span by span, re-routing around failures."""

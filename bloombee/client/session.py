@@ -21,19 +21,28 @@ from bloombee.codec.policy import ByteCost
 from bloombee.dht.records import ServerRecord
 from bloombee.planner.learning import size_class
 from bloombee.protocol import (
+    AckMessage,
+    Compaction,
     ErrorKind,
+    ErrorMessage,
+    Feature,
+    HistoryMessage,
     Hop,
-    Message,
+    LinearStep,
     MessageKind,
+    OutputMessage,
     StepHeader,
+    StepMessage,
+    TreeStep,
     encode_tensors,
     envelope,
     pack,
+    step_rows,
     unpack_timed,
 )
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.settings import ClientSettings
-from bloombee.speculative.tree import PackedTrees, dense_rows, pack_rows
+from bloombee.speculative.tree import PackedTrees, dense_rows
 
 logger = logging.getLogger(__name__)
 
@@ -225,13 +234,16 @@ class InferenceSession:
         """Each micro-batch's tensors of a step of consecutive tokens."""
         result = []
         for offset, size in parts:
-            tensors = {"hidden": hidden[offset:offset + size]}
-            if not bool(mask[offset:offset + size].all()):
-                tensors["token_mask"] = mask[offset:offset + size]
-            result.append((offset, tensors))
+            rows = mask[offset:offset + size]
+            step = LinearStep(hidden[offset:offset + size], None if bool(rows.all()) else rows)
+            result.append((offset, step.tensors()))
         return result
 
     # -- tree steps (speculative decoding) ----------------------------------------------------------
+
+    def supports_tree_steps(self) -> bool:
+        """Whether every server of the chain announces tree steps."""
+        return all(Feature.TREE_STEPS in stream.span.record.features for stream in self.streams)
 
     def tree_step(self, hidden: torch.Tensor, trees: PackedTrees, prune_tau: float | None = None
                   ) -> tuple[torch.Tensor, PackedTrees]:
@@ -264,20 +276,21 @@ class InferenceSession:
         if int(trees.offsets[0]) != 0 or int(trees.offsets[-1]) != trees.parents.numel():  # else nodes would be cut off
             raise ValueError(f"tree offsets must run from 0 to the {trees.parents.numel()} nodes given, "
                              f"got {trees.offsets.tolist()[:16]}")
-        if not all("tree_steps" in stream.span.record.features for stream in self.streams):
-            raise RuntimeError("a server of this chain does not announce tree steps (feature 'tree_steps')")
+        if not self.supports_tree_steps():
+            raise RuntimeError(f"a server of this chain does not announce tree steps "
+                               f"(feature {Feature.TREE_STEPS.value!r})")
         start, width = self.position, max(trees.counts)
         self._check_positions(start, width)
         self._write_history(start, dense_rows(hidden, trees.offsets, width), dense_rows(
             torch.ones(hidden.shape[0], dtype=torch.bool), trees.offsets, width))
 
         def parts_of(parts: list[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
-            return [(offset, {"hidden": hidden[int(trees.offsets[offset]):int(trees.offsets[offset + size])],
-                              **trees.select(offset, size).tensors()}) for offset, size in parts]
+            return [(offset, TreeStep(hidden[int(trees.offsets[offset]):int(trees.offsets[offset + size])],
+                                      trees.select(offset, size)).tensors()) for offset, size in parts]
 
         outputs, parts = await self._with_retries(start, width, parts_of, prune_tau=prune_tau)
         self._tree = (start, width)
-        kept = join_trees([PackedTrees.from_tensors(outputs[offset]) for offset, _ in parts])
+        kept = join_trees([TreeStep.from_tensors(outputs[offset]).trees for offset, _ in parts])
         return joined(outputs, parts), kept
 
     async def _verify(self, end: int, output: torch.Tensor) -> None:
@@ -338,12 +351,11 @@ class InferenceSession:
         loop = asyncio.get_running_loop()
         for offset, tensors in parts:
             if header.compact_start is not None:
-                rows = tensors["tree_offsets"].numel() - 1 if "tree_offsets" in tensors else tensors["hidden"].shape[0]
-                ids, offsets = pack_rows(self._compaction[1][offset:offset + rows])
-                tensors = {**tensors, "compact_ids": ids, "compact_offsets": offsets}
+                rows = self._compaction[1][offset:offset + step_rows(tensors)]
+                tensors = {**tensors, **Compaction.of(rows).tensors()}
             encoded = await loop.run_in_executor(None, encode_tensors, tensors, self._policy(chain[0]))
             step = header.model_copy(update={"batch_offset": offset})
-            await chain[0].send(envelope(Message(kind=MessageKind.STEP, step=step), encoded.frames))
+            await chain[0].send(envelope(StepMessage(step=step), encoded.frames))
             stats.add_sent(offset, encoded)
 
     def planned_micro_batches(self, chain: list[SpanStream], num_tokens: int) -> int | None:
@@ -356,7 +368,7 @@ class InferenceSession:
 
     def micro_batches_for(self, chain: list[SpanStream], num_tokens: int, context: int) -> int:
         """How many micro-batches a step of `num_tokens` tokens per row (over `context` cached ones) goes in."""
-        if self.batch_size == 1 or not all("micro_batches" in stream.span.record.features for stream in chain):
+        if self.batch_size == 1 or not all(Feature.MICRO_BATCHES in stream.span.record.features for stream in chain):
             return 1
         wanted = self.settings.micro_batches
         if wanted == "auto":
@@ -432,14 +444,16 @@ class InferenceSession:
                 message, tensors, decode_cpu_s = unpack_timed(item)
             except (CodecError, ValueError) as error:
                 raise ServerFailed(index, f"sent a malformed message: {error}") from error
+            if not isinstance(message, ErrorMessage | OutputMessage | AckMessage | HistoryMessage):
+                continue  # not about a step
             if message.step_id not in (None, step_id) and message.step_id not in earlier:
                 continue
-            if message.kind == MessageKind.ERROR:
+            if isinstance(message, ErrorMessage):
                 self._raise_error(chain, index, message)
                 continue
             if message.step_id != step_id:
                 continue
-            if message.kind == MessageKind.ACK:
+            if isinstance(message, AckMessage):
                 acked.add(index)
             offset = message.batch_offset or 0
             if message.kind == want and index == len(chain) - 1 and offset in pending:
@@ -465,7 +479,7 @@ class InferenceSession:
                 raise ServerFailed(index, "its connection closed (the server's p2p daemon ended)")
 
     @staticmethod
-    def _raise_error(chain: list[SpanStream], index: int, message: Message) -> None:
+    def _raise_error(chain: list[SpanStream], index: int, message: ErrorMessage) -> None:
         """Raise what an error message from server `index` means; return for a report about a server no longer in
         the chain (a push of an earlier chain that failed after the session moved on)."""
         name = chain[index].span.record.public_name or chain[index].span.peer_id
@@ -533,6 +547,6 @@ class InferenceSession:
 
     async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
         step_id = self._next_step_id()
-        await stream.send(pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=step_id)))
+        await stream.send(pack(HistoryMessage(end_position=end, step_id=step_id)))
         expected = self.clock.announced([stream.span], self.batch_size * end)
         return (await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]["hidden"]

@@ -9,7 +9,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from bloombee.client.routing import Span
-from bloombee.protocol import ErrorKind, Message, MessageKind, OpenSession, pack
+from bloombee.protocol import ErrorKind, ErrorMessage, Feature, OpenMessage, OpenSession, pack, parse_message
 from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import queue_stream
 
@@ -41,18 +41,19 @@ class SpanStream:
                    timeout: float, compression: str = "auto") -> None:
         """Open the session; raises RequestRejected when the server refuses it, ConnectionError when unreachable.
         A `compression` of "on" or "off" asks the server to send this session's outputs so, where it announces that."""
-        asked = compression if compression != "auto" and "session_compression" in self.span.record.features else None
+        announced = Feature.SESSION_COMPRESSION in self.span.record.features
+        asked = compression if compression != "auto" and announced else None
         request = OpenSession(session_id=self.session_id, start_block=self.span.start, end_block=self.span.end,
                               max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth,
                               compression=asked)
-        await self._outbox.put(pack(Message(kind=MessageKind.OPEN, open=request)))
+        await self._outbox.put(pack(OpenMessage(open=request)))
         stub = block_service_stub(p2p, self.span.peer_id)
         responses = await asyncio.wait_for(stub.rpc_inference(queue_stream(self._outbox)), timeout)
         first = await asyncio.wait_for(anext(aiter(responses), None), timeout)
         if first is None:
             raise ConnectionError(f"server {self.span.peer_id} closed the stream before opening a session")
-        reply = Message.model_validate_json(first.metadata)
-        if reply.kind == MessageKind.ERROR:
+        reply = parse_message(first.metadata)
+        if isinstance(reply, ErrorMessage):
             name = self.span.record.public_name or self.span.peer_id
             if reply.error_kind in (ErrorKind.INVALID, ErrorKind.REFUSED):
                 raise RequestRejected(f"server {name} refused the session: {reply.error}")

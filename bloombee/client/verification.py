@@ -21,7 +21,7 @@ from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.codec import LAYOUTS, CompressionPolicy
 from bloombee.dht.records import ServerRecord
-from bloombee.protocol import ErrorKind, Message, MessageKind, pack, unpack
+from bloombee.protocol import ErrorKind, ErrorMessage, ForwardMessage, pack, unpack
 from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import single
 from bloombee.settings import ClientSettings
@@ -61,7 +61,7 @@ async def forward_span(p2p: P2P, span: Span, hidden: torch.Tensor, token_mask: t
                        policy: CompressionPolicy, timeout: float) -> torch.Tensor:
     """Stateless forward of whole sequences through the blocks of `span` on its server."""
     tensors = {"hidden": hidden} if token_mask is None else {"hidden": hidden, "token_mask": token_mask.to(torch.bool)}
-    message = Message(kind=MessageKind.FORWARD, start_block=span.start, end_block=span.end, codecs=LAYOUTS)
+    message = ForwardMessage(start_block=span.start, end_block=span.end, codecs=LAYOUTS)
     request = pack(message, tensors, policy)
     stub = block_service_stub(p2p, span.peer_id)
     responses = await stub.rpc_forward(single(request))
@@ -69,7 +69,7 @@ async def forward_span(p2p: P2P, span: Span, hidden: torch.Tensor, token_mask: t
     if reply is None:
         raise ConnectionError(f"server {span.peer_id} closed the forward stream without answering")
     message, tensors = unpack(reply)
-    if message.kind == MessageKind.ERROR:
+    if isinstance(message, ErrorMessage):
         if message.error_kind == ErrorKind.INVALID:
             raise RequestRejected(f"server {span.peer_id} rejected the forward: {message.error}")
         raise ConnectionError(f"server {span.peer_id}: {message.error}")

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from bloombee.loading.resolve import ModelNotFoundError, load_model_config, resolve_model
+from bloombee.models.core.stack import BlockStack, ClientHead
 from bloombee.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, de
     family = family_for_config(config)
     dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
-        stack = family.block_stack(config, start, end)
+        stack = BlockStack(family, config, start, end)
     stack.reset_buffers()
 
     def module_name(checkpoint_name: str) -> str | None:
@@ -162,7 +163,7 @@ def load_client_head(name_or_path, dtype=torch.float32, device="cpu"):
     family = family_for_config(config)
     dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
-        head = family.client_head(config)
+        head = ClientHead(family, config)
     _, reader = _checkpoint_folder(name_or_path, lambda n: family.head_tensor_name(n) is not None)
     renamed = {k: family.head_tensor_name(k) for k in reader.keys()}
     renamed = {k: v for k, v in renamed.items() if v is not None}

@@ -1,28 +1,25 @@
 """Messages between clients and servers, and their packing into hivemind protobuf envelopes.
 
 Every message is a pydantic header (JSON in the envelope's metadata) plus named tensors, each
-tensor a `bloombee.codec` frame in the envelope's tensor buffer. Steps carry explicit cache
-positions, a batch offset, optional per-token masks / rope positions / tree masks, and the rest of
-the chain, so that a server can push its output straight to the next server.
+tensor a `bloombee.codec` frame in the envelope's tensor buffer. The header is one model per kind
+(`Message`, a union discriminated by `kind`). Steps carry explicit cache positions, a batch offset,
+the tensors of their kind (`bloombee.protocol.steps`), and the rest of the chain, so that a server
+can push its output straight to the next server.
 """
 
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from bloombee import codec
 from bloombee.codec import CompressionPolicy
-
-PROTOCOL_FEATURES = ("push", "explicit_positions", "batch_offset", "token_mask", "rope_positions", "history",
-                     "micro_batches", "session_compression", "tree_steps")
-# what every client of this version uses; a server that does not announce all of them is not routed to
-REQUIRED_FEATURES = ("push", "explicit_positions", "token_mask", "history")
+from bloombee.protocol.errors import InvalidStep
 
 
 class MessageKind(str, Enum):
@@ -117,24 +114,99 @@ class StepHeader(BaseModel):
                                       "(compact_ids, compact_offsets) of the tree written from this slot")
 
 
-class Message(BaseModel):
-    """Header of any envelope: its kind plus the kind-specific fields."""
+class _Message(BaseModel):
+    """What every kind of message has: `reports`, per server of the chain so far in chain order, which replies to
+    steps fill; the other kinds carry it empty, as every message of earlier versions did."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: MessageKind
-    open: OpenSession | None = None
-    step: StepHeader | None = None
+    kind: MessageKind  # each kind's model narrows it to its own
+    reports: tuple[HopReport, ...] = ()
+
+
+class OpenMessage(_Message):
+    """Client -> server: open a session."""
+
+    kind: Literal[MessageKind.OPEN] = MessageKind.OPEN
+    open: OpenSession
+
+
+class OpenedMessage(_Message):
+    """Server -> client: the session's cache is allocated; `info` says how much room is left."""
+
+    kind: Literal[MessageKind.OPENED] = MessageKind.OPENED
+    info: dict[str, Any]
+
+
+class StepMessage(_Message):
+    """Client or previous server -> server: a step of a session, its tensors those of its kind."""
+
+    kind: Literal[MessageKind.STEP] = MessageKind.STEP
+    step: StepHeader
+
+
+class _StepReply(_Message):
     step_id: int | None = None
-    batch_offset: int | None = None  # outputs and acks: the micro-batch's first row
-    end_position: int | None = None
-    start_block: int | None = None
-    end_block: int | None = None
-    error: str | None = None
-    error_kind: ErrorKind | None = None
-    failed_peer: str | None = None
+    batch_offset: int | None = None  # the micro-batch's first row
+
+
+class OutputMessage(_StepReply):
+    """Last server -> client: the chain's output of a step (or of a stateless forward)."""
+
+    kind: Literal[MessageKind.OUTPUT] = MessageKind.OUTPUT
+
+
+class AckMessage(_StepReply):
+    """Server -> client or pushing server: the step was queued, or sent on."""
+
+    kind: Literal[MessageKind.ACK] = MessageKind.ACK
+
+
+class HistoryMessage(_StepReply):
+    """Client -> server: send back your outputs for positions [0, end_position); server -> client: them."""
+
+    kind: Literal[MessageKind.HISTORY] = MessageKind.HISTORY
+    end_position: int
+
+
+class ForwardMessage(_Message):
+    """Client -> server: a stateless forward over blocks [start_block, end_block), the reply in one of `codecs`."""
+
+    kind: Literal[MessageKind.FORWARD] = MessageKind.FORWARD
+    start_block: int
+    end_block: int
+    codecs: tuple[str, ...] | None = None
+
+
+class InfoMessage(_Message):
+    """Client -> server: describe yourself (no info); server -> client: the description."""
+
+    kind: Literal[MessageKind.INFO] = MessageKind.INFO
     info: dict[str, Any] | None = None
-    reports: tuple[HopReport, ...] = ()  # per server of the chain so far, in chain order
-    codecs: tuple[str, ...] | None = None  # layouts the sender accepts in the reply (forward requests)
+
+
+class ErrorMessage(_Message):
+    """Any direction: what went wrong, with the step it concerns and the peer that failed, if any."""
+
+    kind: Literal[MessageKind.ERROR] = MessageKind.ERROR
+    error_kind: ErrorKind
+    error: str
+    step_id: int | None = None
+    failed_peer: str | None = None
+
+
+Message = Annotated[OpenMessage | OpenedMessage | StepMessage | OutputMessage | AckMessage | HistoryMessage
+                    | ForwardMessage | InfoMessage | ErrorMessage, Field(discriminator="kind")]
+_MESSAGE = TypeAdapter(Message)
+
+
+def parse_message(metadata: bytes | str, *expected: type[_Message]) -> Message:
+    """The message an envelope's metadata holds (pydantic's ValidationError if malformed); InvalidStep if it is not
+    one of the `expected` kinds, when they are given."""
+    message = _MESSAGE.validate_json(metadata)
+    if expected and not isinstance(message, expected):
+        kinds = " or ".join(repr(kind.model_fields["kind"].default.value) for kind in expected)
+        raise InvalidStep(f"expected a message of kind {kinds}, got {message.kind.value!r}")
+    return message
 
 
 @dataclass
@@ -172,7 +244,7 @@ def envelope(message: Message, frames: list[runtime_pb2.Tensor] = ()) -> runtime
 def error_envelope(kind: ErrorKind, text: str, step_id: int | None = None,
                    failed_peer: str | None = None) -> runtime_pb2.ExpertRequest:
     """An error message of `kind` about step `step_id` (and the peer that failed, if one did)."""
-    return envelope(Message(kind=MessageKind.ERROR, error_kind=kind, error=text, step_id=step_id, failed_peer=failed_peer))
+    return envelope(ErrorMessage(error_kind=kind, error=text, step_id=step_id, failed_peer=failed_peer))
 
 
 def pack(message: Message, tensors: dict[str, torch.Tensor] | None = None,
@@ -184,7 +256,8 @@ def pack(message: Message, tensors: dict[str, torch.Tensor] | None = None,
 def unpack(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse, max_bytes: int = codec.DEFAULT_MAX_BYTES,
            names: tuple[str, ...] | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
     """Message header and decoded tensors of an envelope, which may hold at most `max_bytes` of tensors in all and,
-    when `names` is given, only tensors so named; raises ValueError naming what is malformed."""
+    when `names` is given, only tensors so named; raises a ValidationError, CodecError or InvalidStep naming what is
+    malformed."""
     message, tensors, _ = unpack_timed(envelope, max_bytes, names)
     return message, tensors
 
@@ -194,13 +267,14 @@ def unpack_timed(envelope: runtime_pb2.ExpertRequest | runtime_pb2.ExpertRespons
                  names: tuple[str, ...] | None = None) -> tuple[Message, dict[str, torch.Tensor], float]:
     """`unpack`, and the CPU seconds this thread spent decoding the tensors (what the codec policies learn decode
     speeds from: see `CompressionPolicy`)."""
-    message = Message.model_validate_json(envelope.metadata)
+    message = parse_message(envelope.metadata)
     tensors, cpu_s = {}, 0.0
     for proto in envelope.tensors:
         if names is not None and proto.dtype not in names:
-            raise ValueError(f"unexpected tensor {proto.dtype[:64]!r}: a {message.kind.value} message carries {list(names)}")
+            raise InvalidStep(f"unexpected tensor {proto.dtype[:64]!r}: a {message.kind.value} message carries "
+                              f"{list(names)}")
         if proto.dtype in tensors:
-            raise ValueError(f"tensor {proto.dtype[:64]!r} appears twice in one message")
+            raise InvalidStep(f"tensor {proto.dtype[:64]!r} appears twice in one message")
         began = time.thread_time()
         tensors[proto.dtype] = codec.decode(proto.buffer, max_bytes=max_bytes)
         cpu_s += time.thread_time() - began

@@ -9,6 +9,7 @@ from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.models.core.offload import host_kv_heads
 from bloombee.models.core.kv_cache import compact_slots
+from bloombee.protocol import ErrorKind, InvalidStep
 from bloombee.server.memory import SessionBytes
 from bloombee.server.sessions import Session
 from bloombee.speculative.pruning import TreePruner
@@ -18,11 +19,15 @@ from bloombee.speculative.tree import (PackedTrees, TokenTree, dense_rows, depth
 logger = logging.getLogger(__name__)
 
 
-class InvalidStep(ValueError):
-    """A step's inputs do not fit the session (shape, dtype, positions); the message says what to fix."""
+BAD_INPUT = (InvalidStep, CodecError, ValidationError)  # the caller's fault, as validated: an INVALID error
 
 
-BAD_INPUT = (InvalidStep, CodecError, ValidationError, ValueError)  # the caller's fault: an INVALID error
+def error_reply(error: Exception) -> tuple[ErrorKind, str]:
+    """What a failure of a request tells its sender: INVALID and the reason for validated bad input (retrying
+    elsewhere will not help), else INTERNAL (this server failed: the client may fail over)."""
+    if isinstance(error, BAD_INPUT):
+        return ErrorKind.INVALID, str(error)
+    return ErrorKind.INTERNAL, f"{type(error).__name__}: {error}"
 
 
 class BlockBackend:
@@ -155,6 +160,9 @@ class BlockBackend:
         ancestors at rope positions from their depths; the packed outputs and trees, pruned when `prune_tau` is set
         and this server holds a pruner for the session's last block."""
         width = self.check_tree_step(session, hidden, start_position, batch_offset, trees)
+        pruning = prune_tau is not None and self.pruner is not None and session.end_block == self.end
+        if pruning:
+            self._check_tokens(trees.tokens)
         rows, end = slice(batch_offset, batch_offset + trees.num_rows), start_position + width
         for row in range(batch_offset, rows.stop):
             if row in session.trees:  # this tree again (a retry): what the earlier one wrote is masked first
@@ -173,9 +181,16 @@ class BlockBackend:
         for row, (_, _, ids) in zip(range(batch_offset, rows.stop), trees.rows()):
             session.trees[row] = (start_position, ids.clone())
         packed = packed_rows(out, trees.counts)
-        if prune_tau is None or self.pruner is None or session.end_block != self.end:
+        if not pruning:
             return packed, trees
         return self._prune(packed, trees, prune_tau)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """Raise InvalidStep unless the tree tokens a pruner scores are ids of the model's vocabulary."""
+        vocab = self.stack.config.vocab_size
+        if bool(((tokens < 0) | (tokens >= vocab)).any()):
+            raise InvalidStep(f"tree tokens must be ids of the model's vocabulary [0, {vocab}), got "
+                              f"{int(tokens.min())} to {int(tokens.max())}")
 
     def _prune(self, hidden: torch.Tensor, trees: PackedTrees, tau: float) -> tuple[torch.Tensor, PackedTrees]:
         """Drop each row's candidates scoring below `tau` (and their descendants); the kept nodes, packed."""

@@ -12,21 +12,32 @@ from hivemind.proto import runtime_pb2
 from bloombee import codec
 from bloombee.codec import CompressionPolicy
 from bloombee.protocol import (
+    STEP_TENSORS,
+    AckMessage,
     EncodedTensors,
     ErrorKind,
+    ErrorMessage,
+    ForwardMessage,
     Hop,
+    InfoMessage,
+    InvalidStep,
+    LinearStep,
     Message,
-    MessageKind,
-    OpenSession,
+    OpenedMessage,
+    OpenMessage,
+    OutputMessage,
     StepHeader,
+    StepMessage,
     error_envelope,
     pack,
+    parse_message,
+    step_kind,
     unpack,
 )
 from bloombee.protocol import envelope as envelope_of
 from bloombee.protocol.service import register_block_service
-from bloombee.server.backend import BAD_INPUT, BlockBackend, InvalidStep
-from bloombee.server.pipeline import STEP_TENSORS, SessionPipeline
+from bloombee.server.backend import BAD_INPUT, BlockBackend, error_reply
+from bloombee.server.pipeline import PipelineContext, SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.memory import SessionRefused
 from bloombee.server.sessions import Session, SessionRegistry
@@ -67,12 +78,12 @@ class BlockServicer:
 
     async def rpc_info(self, request: Envelope, context: P2PContext) -> Envelope:
         try:
-            message = Message.model_validate_json(request.metadata)
-            if message.kind != MessageKind.INFO or request.tensors:
-                raise InvalidStep("an info request is a message of kind 'info' without tensors")
+            parse_message(request.metadata, InfoMessage)
+            if request.tensors:
+                raise InvalidStep("an info request carries no tensors")
         except BAD_INPUT as error:
             return error_envelope(ErrorKind.INVALID, f"malformed info request: {error}")
-        return pack(Message(kind=MessageKind.INFO, info=self._info()))
+        return pack(InfoMessage(info=self._info()))
 
     async def rpc_forward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         async for request in requests:
@@ -81,18 +92,18 @@ class BlockServicer:
                 self._check_forward(message, tensors)
                 out = await self.run_compute(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
                 policy = self._policy(context.remote_id.to_base58(), self.link_bandwidth, message.codecs or ())
-                yield pack(Message(kind=MessageKind.OUTPUT), {"hidden": out}, policy)
-            except BAD_INPUT as error:
-                yield error_envelope(ErrorKind.INVALID, str(error))
+                yield pack(OutputMessage(), {"hidden": out}, policy)
             except Exception as error:
-                logger.exception("A forward request failed")
-                yield error_envelope(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}")
+                kind, text = error_reply(error)
+                if kind == ErrorKind.INTERNAL:
+                    logger.exception("A forward request failed")
+                yield error_envelope(kind, text)
 
     def _check_forward(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise InvalidStep unless a forward request names its blocks and fits this server's length limits: a row
-        as long as a session's, as many tokens in all as the largest session holds."""
-        if message.kind != MessageKind.FORWARD or message.start_block is None or message.end_block is None:
-            raise InvalidStep("a forward request needs kind 'forward', start_block and end_block")
+        """Raise InvalidStep unless a forward request is one, with hidden states, within this server's length limits:
+        a row as long as a session's, as many tokens in all as the largest session holds."""
+        if not isinstance(message, ForwardMessage):
+            raise InvalidStep(f"a forward request is a message of kind 'forward', not {message.kind.value!r}")
         if "hidden" not in tensors:
             raise InvalidStep("a forward request needs a 'hidden' tensor")
         shape, max_length = tensors["hidden"].shape, self.settings.max_length
@@ -113,28 +124,26 @@ class BlockServicer:
                 yield error_envelope(ErrorKind.REFUSED, f"session {header.session_id} took no push for "
                                      f"{self.settings.push_timeout:g} s", header.step_id)
                 continue
-            yield pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset))
+            yield pack(AckMessage(step_id=header.step_id, batch_offset=header.batch_offset))
 
     def _check_push(self, request: Envelope) -> tuple[Session, StepHeader]:
         """The session a pushed step goes to and its header, once the header and the frames' headers and checksums fit
         that session (the pusher hears of a bad push, not the session's client); raises a BAD_INPUT error if not."""
-        message = Message.model_validate_json(request.metadata)
-        header = message.step
-        if message.kind != MessageKind.STEP or header is None:
-            raise InvalidStep("a push is a message of kind 'step' with a step header")
+        header = parse_message(request.metadata, StepMessage).step
         session = self.registry.get(header.session_id)
         if session is None:
             raise InvalidStep(f"session {header.session_id[:128]!r} is not open on this server")
         frames = {proto.dtype: codec.inspect(proto.buffer, max_bytes=self.max_request_bytes) for proto in request.tensors}
-        if set(frames) - set(STEP_TENSORS) or len(frames) != len(request.tensors) or "hidden" not in frames:
-            raise InvalidStep(f"a pushed step carries a 'hidden' tensor and maybe {list(STEP_TENSORS[1:])}, each once")
+        if set(frames) - set(STEP_TENSORS) or len(frames) != len(request.tensors):
+            raise InvalidStep(f"a pushed step carries some of {list(STEP_TENSORS)}, each once")
         if sum(frame.raw_bytes for frame in frames.values()) > self.max_request_bytes:
             raise InvalidStep(f"a pushed step may carry at most {self.max_request_bytes} bytes of tensors")
-        if "tree_parents" in frames:  # a tree step's shapes depend on its trees' values: checked when it is computed
-            return session, header
-        shaped = {name: torch.empty(frame.shape, dtype=frame.dtype, device="meta") for name, frame in frames.items()}
-        self.backend.check_step(session, shaped["hidden"], header.start_position, header.batch_offset,
-                                shaped.get("token_mask"), shaped.get("rope_positions"))
+        if step_kind(frames, header.compact_start is not None) is not LinearStep:
+            return session, header  # a tree step's shapes depend on its trees' values: checked when it is computed
+        step = LinearStep.from_tensors({name: torch.empty(frame.shape, dtype=frame.dtype, device="meta")
+                                        for name, frame in frames.items()})
+        self.backend.check_step(session, step.hidden, header.start_position, header.batch_offset, step.token_mask,
+                                step.rope_positions)
         return session, header
 
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
@@ -153,10 +162,10 @@ class BlockServicer:
             return
         self.sessions_served += 1
         pump = asyncio.create_task(self._pump(requests, session))
-        pipeline = SessionPipeline(self, session)
+        pipeline = SessionPipeline(self._pipeline_context(), session)
         try:
-            yield pack(Message(kind=MessageKind.OPENED, info={"device_free_bytes": self.registry.budget.free.device,
-                                                                 "host_free_bytes": self.registry.budget.free.host}))
+            yield pack(OpenedMessage(info={"device_free_bytes": self.registry.budget.free.device,
+                                           "host_free_bytes": self.registry.budget.free.host}))
             async for response in pipeline.responses():
                 yield response
         finally:
@@ -164,11 +173,16 @@ class BlockServicer:
             await self._close_push(session)
             self.registry.remove(session)
 
+    def _pipeline_context(self) -> PipelineContext:
+        return PipelineContext(self.backend, self.meter, self.peer_id, self.settings.session_timeout,
+                               self.max_request_bytes, self.run_compute, self.run_codec, self.open_push, self.push,
+                               self.push_policy, self.reply_policy)
+
     async def _open_session(self, envelope: Envelope, client_peer: str) -> Session:
-        message = Message.model_validate_json(envelope.metadata)
-        request: OpenSession | None = message.open
-        if message.kind != MessageKind.OPEN or request is None:
+        message = parse_message(envelope.metadata)
+        if not isinstance(message, OpenMessage):
             raise InvalidStep("the first message of an inference stream must open a session")
+        request = message.open
         self.backend.check_range(request.start_block, request.end_block)
         if request.batch_size > self.settings.max_batch_size:
             raise SessionRefused(f"batch size {request.batch_size} is over this server's limit of {self.settings.max_batch_size}")
@@ -198,14 +212,6 @@ class BlockServicer:
         except Exception as error:  # the client's stream broke: the session ends as if it had closed it
             logger.info("Session %s: the client's stream broke (%r)", session.session_id, error)
         await session.inbox.put(None)
-
-    def history_envelope(self, session: Session, message: Message) -> Envelope:
-        """This server's outputs for positions [0, end_position) of every row (for a replacement of the next server)."""
-        end = message.end_position
-        if end is None or not 0 <= end <= session.max_length:
-            raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
-        return pack(Message(kind=MessageKind.HISTORY, end_position=end, step_id=message.step_id),
-                    {"hidden": session.output_history[:, :end]}, self.reply_policy(session))
 
     def push_policy(self, session: Session, hop: Hop, num_bytes: int) -> CompressionPolicy:
         """The policy of the link to the next server, about to send it `num_bytes`."""
@@ -243,7 +249,7 @@ class BlockServicer:
         channel = await self._channel(session, hop, notify)
         next_header = header.model_copy(update={"session_id": hop.session_id, "route": header.route[1:]})
         try:
-            await channel.send(envelope_of(Message(kind=MessageKind.STEP, step=next_header), encoded.frames),
+            await channel.send(envelope_of(StepMessage(step=next_header), encoded.frames),
                                header.step_id, header.batch_offset)
         except Exception as error:
             return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
@@ -262,8 +268,8 @@ class BlockServicer:
             await channel.close()
 
         def report(peer_id: str, reason: str) -> None:
-            notify(Message(kind=MessageKind.ERROR, error_kind=ErrorKind.PEER_FAILED,
-                           error=f"push to {peer_id} failed: {reason}", failed_peer=peer_id))
+            notify(ErrorMessage(error_kind=ErrorKind.PEER_FAILED, error=f"push to {peer_id} failed: {reason}",
+                                failed_peer=peer_id))
 
         session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.settings.push_buffer_bytes,
                                            self.push_stats, self.settings.push_timeout)

@@ -12,51 +12,77 @@ keyed by (step id, batch offset): one that arrives again is not computed again; 
 taken from the output history and sent on as before.
 """
 
-from __future__ import annotations
-
 import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.proto import runtime_pb2
 
+from bloombee.codec import CompressionPolicy
 from bloombee.protocol import (
+    STEP_TENSORS,
+    AckMessage,
+    Compaction,
+    EncodedTensors,
     ErrorKind,
+    HistoryMessage,
+    Hop,
     HopReport,
+    InvalidStep,
+    LinearStep,
     Message,
-    MessageKind,
+    OutputMessage,
+    Step,
     StepHeader,
+    StepMessage,
+    TreeStep,
     encode_tensors,
     envelope,
     error_envelope,
     pack,
+    parse_message,
+    parse_step,
     unpack_timed,
 )
-from bloombee.server.backend import BAD_INPUT, InvalidStep
+from bloombee.server.backend import BAD_INPUT, BlockBackend, error_reply
 from bloombee.server.sessions import Session
-from bloombee.speculative.tree import COMPACT_TENSORS, TREE_TENSORS, PackedTrees, check_offsets, unpack_rows
-
-if TYPE_CHECKING:
-    from bloombee.server.handler import BlockServicer
+from bloombee.server.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
 Envelope = runtime_pb2.ExpertRequest
+Notify = Callable[[Message], None]
 STAGE_DEPTH = 2  # items waiting between two stages
 REMEMBERED_STEPS = 4096  # (step id, batch offset) keys kept per session to recognise a step that comes again
-STEP_TENSORS = ("hidden", "token_mask", "rope_positions") + TREE_TENSORS + COMPACT_TENSORS  # what a step may carry
 _END = object()
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    """What a session's pipeline takes from its server: the blocks, the threads, the limits and the links."""
+
+    backend: BlockBackend
+    meter: ThroughputMeter  # the announced throughput, fed by the steps computed
+    peer_id: str
+    session_timeout: float
+    max_request_bytes: int
+    run_compute: Callable[..., Awaitable]  # fn, *args in the compute thread
+    run_codec: Callable[..., Awaitable]  # fn, *args in the codec thread
+    open_push: Callable[[Session, Hop, Notify], Awaitable[None]]
+    push: Callable[[Session, StepHeader, EncodedTensors, Notify], Awaitable[Envelope | None]]
+    push_policy: Callable[[Session, Hop, int], CompressionPolicy]
+    reply_policy: Callable[[Session, float | None, int], CompressionPolicy]
 
 
 @dataclass
 class DecodedStep:
     header: StepHeader
-    tensors: dict[str, torch.Tensor]
+    step: Step
+    compaction: Compaction | None
     decode_at: float
     decode_s: float
     decode_cpu_s: float
@@ -72,8 +98,8 @@ class ComputedStep:
 class SessionPipeline:
     """Runs one session's messages through the three stages; `responses()` yields what goes back to the client."""
 
-    def __init__(self, servicer: BlockServicer, session: Session):
-        self.servicer, self.session = servicer, session
+    def __init__(self, context: PipelineContext, session: Session):
+        self.context, self.session = context, session
         self.decoded: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
         self.computed: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
         self.replies: asyncio.Queue = asyncio.Queue()
@@ -114,7 +140,7 @@ class SessionPipeline:
     # -- stage 1: receive and decode ---------------------------------------------------------
 
     async def _decode_stage(self) -> None:
-        timeout = self.servicer.settings.session_timeout
+        timeout = self.context.session_timeout
         while True:
             try:
                 item = await asyncio.wait_for(self.session.inbox.get(), timeout=timeout)
@@ -130,25 +156,23 @@ class SessionPipeline:
             if decoded is not None:
                 await self.decoded.put(decoded)
 
-    async def _decode(self, item: Envelope) -> DecodedStep | Message | None:
+    async def _decode(self, item: Envelope) -> DecodedStep | HistoryMessage | None:
         step_id = None
         try:
-            message = Message.model_validate_json(item.metadata)
-            step_id = message.step_id if message.step is None else message.step.step_id
-            if message.kind == MessageKind.HISTORY:
+            message = parse_message(item.metadata, StepMessage, HistoryMessage)
+            if isinstance(message, HistoryMessage):
                 return message
-            if message.kind != MessageKind.STEP or message.step is None:
-                raise InvalidStep(f"expected a step or history message, got {message.kind.value!r}")
-            if message.step.session_id != self.session.session_id:
-                raise InvalidStep(f"the step names session {message.step.session_id[:128]!r}, not this stream's session")
-            if message.step.route and self.session.push_channel is None:
-                await self.servicer.open_push(self.session, message.step.route[0], self.notify)
+            header = message.step
+            step_id = header.step_id
+            if header.session_id != self.session.session_id:
+                raise InvalidStep(f"the step names session {header.session_id[:128]!r}, not this stream's session")
+            if header.route and self.session.push_channel is None:
+                await self.context.open_push(self.session, header.route[0], self.notify)
             began, decode_at = time.perf_counter(), time.time()
-            _, tensors, cpu_s = await self.servicer.run_codec(unpack_timed, item, self.servicer.max_request_bytes,
-                                                              STEP_TENSORS)
-            if "hidden" not in tensors:
-                raise InvalidStep("a step needs a 'hidden' tensor")
-            return DecodedStep(message.step, tensors, decode_at, time.perf_counter() - began, cpu_s)
+            _, tensors, cpu_s = await self.context.run_codec(unpack_timed, item, self.context.max_request_bytes,
+                                                             STEP_TENSORS)
+            step, compaction = parse_step(tensors, header.compact_start is not None)
+            return DecodedStep(header, step, compaction, decode_at, time.perf_counter() - began, cpu_s)
         except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), step_id)
             return None
@@ -161,82 +185,93 @@ class SessionPipeline:
             if item is _END:
                 await self.computed.put(_END)
                 return
-            if isinstance(item, Message):
+            if isinstance(item, HistoryMessage):
                 await self._answer_history(item)
                 continue
             computed = await self._compute(item)
             if computed is not None:
                 await self.computed.put(computed)
 
-    async def _answer_history(self, message: Message) -> None:
+    async def _answer_history(self, message: HistoryMessage) -> None:
         try:
-            reply = await self.servicer.run_compute(self.servicer.history_envelope, self.session, message)
+            reply = await self.context.run_compute(self._history_envelope, message)
         except BAD_INPUT as error:
             self._error(ErrorKind.INVALID, str(error), message.step_id)
             return
         self.replies.put_nowait(reply)
 
-    async def _compute(self, step: DecodedStep) -> ComputedStep | None:
-        header, tensors = step.header, step.tensors
+    def _history_envelope(self, message: HistoryMessage) -> Envelope:
+        """This server's outputs for positions [0, end_position) of every row (for a replacement of the next server)."""
+        end, session = message.end_position, self.session
+        if not 0 <= end <= session.max_length:
+            raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
+        reply = HistoryMessage(end_position=end, step_id=message.step_id)
+        return pack(reply, {"hidden": session.output_history[:, :end]}, self.context.reply_policy(session, None, 0))
+
+    async def _compute(self, decoded: DecodedStep) -> ComputedStep | None:
+        header, step = decoded.header, decoded.step
         key = (header.step_id, header.batch_offset)
         duplicate = key in self.applied
         try:
             self._computed = (time.time(), 0.0, 0.0)
-            compaction = None if header.compact_start is None else (header.compact_start, compact_ids(tensors))
-            if "tree_parents" in tensors:
-                header, sent_on = await self._tree_step(header, tensors, duplicate, compaction)
+            if isinstance(step, TreeStep):
+                header, sent_on = await self._tree_step(header, step, duplicate, decoded.compaction)
             else:
-                sent_on = {"hidden": await self._linear_step(header, tensors, duplicate, compaction)}
-                if header.route:
-                    sent_on.update({name: tensors[name] for name in ("token_mask", "rope_positions") if name in tensors})
+                sent_on = await self._linear_step(header, step, duplicate, decoded.compaction)
             self._remember(key)
             compute_at, compute_s, compute_cpu_s = self._computed
-        except BAD_INPUT as error:
-            self._error(ErrorKind.INVALID, str(error), header.step_id)
-            return None
         except Exception as error:
-            logger.exception("Step %s of session %s failed", header.step_id, self.session.session_id)
-            self._error(ErrorKind.INTERNAL, f"{type(error).__name__}: {error}", header.step_id)
+            self._failed(header, error)
             return None
-        if header.route and header.compact_start is not None:
-            sent_on.update({name: tensors[name] for name in COMPACT_TENSORS})
-        report = HopReport(peer_id=self.servicer.peer_id, decode_s=step.decode_s, decode_cpu_s=step.decode_cpu_s,
+        sent = sent_on.tensors()
+        if header.route and decoded.compaction is not None:
+            sent.update(decoded.compaction.tensors())
+        report = HopReport(peer_id=self.context.peer_id, decode_s=decoded.decode_s, decode_cpu_s=decoded.decode_cpu_s,
                            compute_s=compute_s, compute_cpu_s=compute_cpu_s,
-                           batch_offset=header.batch_offset, decode_at=step.decode_at, compute_at=compute_at,
-                           duplicate=duplicate, nodes=sent_on["hidden"].shape[0] if "tree_ids" in sent_on else 0)
-        return ComputedStep(header, sent_on, report)
+                           batch_offset=header.batch_offset, decode_at=decoded.decode_at, compute_at=compute_at,
+                           duplicate=duplicate, nodes=sent_on.hidden.shape[0] if isinstance(sent_on, TreeStep) else 0)
+        return ComputedStep(header, sent, report)
 
-    async def _linear_step(self, header: StepHeader, tensors: dict[str, torch.Tensor], duplicate: bool,
-                           compaction: tuple[int, list[torch.Tensor]] | None) -> torch.Tensor:
-        """A step of consecutive tokens; one that came before is not computed again."""
-        step_args = (header.start_position, header.batch_offset, tensors.get("token_mask"), tensors.get("rope_positions"))
+    def _failed(self, header: StepHeader, error: Exception) -> None:
+        """Tell the client a step failed: its fault (INVALID) or this server's (INTERNAL, logged)."""
+        kind, text = error_reply(error)
+        if kind == ErrorKind.INTERNAL:
+            logger.error("Step %s of session %s failed", header.step_id, self.session.session_id, exc_info=error)
+        self._error(kind, text, header.step_id)
+
+    async def _linear_step(self, header: StepHeader, step: LinearStep, duplicate: bool,
+                           compaction: Compaction | None) -> LinearStep:
+        """A step of consecutive tokens, its output as sent on; one that came before is not computed again."""
+        step_args = (header.start_position, header.batch_offset, step.token_mask, step.rope_positions)
         if duplicate:
             if compaction is not None:
-                await self.servicer.run_compute(self._compact, header, compaction)
-            self.servicer.backend.check_step(self.session, tensors["hidden"], *step_args)
-            return self._earlier_output(header, tensors["hidden"])
-        return await self.servicer.run_compute(self._after_compaction, header, compaction, self._timed_step,
-                                               tensors["hidden"], *step_args)
+                await self.context.run_compute(self._compact, header, compaction)
+            self.context.backend.check_step(self.session, step.hidden, *step_args)
+            out = self._earlier_output(header, step.hidden)
+        else:
+            out = await self.context.run_compute(self._after_compaction, header, compaction, self._timed_step,
+                                                 step.hidden, *step_args)
+        return LinearStep(out, step.token_mask, step.rope_positions) if header.route else LinearStep(out)
 
-    async def _tree_step(self, header: StepHeader, tensors: dict[str, torch.Tensor], duplicate: bool,
-                         compaction: tuple[int, list[torch.Tensor]] | None) -> tuple[StepHeader, dict]:
+    async def _tree_step(self, header: StepHeader, step: TreeStep, duplicate: bool,
+                         compaction: Compaction | None) -> tuple[StepHeader, TreeStep]:
         """A step of token trees; the header sent on, without the pruning threshold once this server pruned, and the
         outputs with their trees. One that comes again while its trees are still held is computed again (it writes
         the same slots); once they are compacted it is refused, as writing it would undo the compaction."""
-        trees = PackedTrees.from_tensors(tensors)
+        trees = step.trees
         rows = range(header.batch_offset, header.batch_offset + trees.num_rows)
         if duplicate and any(self.session.trees.get(row, (None,))[0] != header.start_position for row in rows):
             raise InvalidStep(f"tree step {header.step_id} came again after its trees were compacted")
-        out, kept = await self.servicer.run_compute(self._after_compaction, header, compaction,
-                                                    self.servicer.backend.tree_step, self.session, tensors["hidden"],
-                                                    header.start_position, header.batch_offset, trees, header.prune_tau)
+        out, kept = await self.context.run_compute(self._after_compaction, header, compaction,
+                                                   self.context.backend.tree_step, self.session, step.hidden,
+                                                   header.start_position, header.batch_offset, trees, header.prune_tau)
         if kept is not trees:
             header = header.model_copy(update={"prune_tau": None})
             logger.debug("Session %s: pruned %d tree nodes to %d", self.session.session_id, trees.parents.numel(),
                          kept.parents.numel())
-        return header, {"hidden": out, **kept.tensors()}
+        return header, TreeStep(out, kept)
 
-    def _after_compaction(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]] | None, fn, *args):
+    def _after_compaction(self, header: StepHeader, compaction: Compaction | None, fn, *args):
         """In the compute thread: the previous tree's compaction, if the step carries one, then `fn(*args)`; so the
         step never reads a cache that is not yet compacted. When and how long it ran is what the hop report says
         the step computed (the hand-over to and from the compute thread is not)."""
@@ -247,15 +282,15 @@ class SessionPipeline:
         self._computed = (began_at, time.perf_counter() - began, time.thread_time() - began_cpu)
         return result
 
-    def _compact(self, header: StepHeader, compaction: tuple[int, list[torch.Tensor]]) -> None:
-        self.servicer.backend.compact(self.session, compaction[0], header.batch_offset, compaction[1])
+    def _compact(self, header: StepHeader, compaction: Compaction) -> None:
+        self.context.backend.compact(self.session, header.compact_start, header.batch_offset, compaction.rows())
 
     def _timed_step(self, hidden: torch.Tensor, *step_args) -> torch.Tensor:
         """The backend's step (in the compute thread), its compute time counted towards the announced throughput."""
         began = time.perf_counter()
-        out = self.servicer.backend.step(self.session, hidden, *step_args)
+        out = self.context.backend.step(self.session, hidden, *step_args)
         blocks = self.session.end_block - self.session.start_block
-        self.servicer.meter.observe(hidden.shape[0], hidden.shape[1], blocks, time.perf_counter() - began)
+        self.context.meter.observe(hidden.shape[0], hidden.shape[1], blocks, time.perf_counter() - began)
         return out
 
     def _earlier_output(self, header: StepHeader, hidden: torch.Tensor) -> torch.Tensor:
@@ -287,33 +322,23 @@ class SessionPipeline:
         if next_hop is None and not header.reply:
             self.replies.put_nowait(self._ack(header, header.reports + (report,)))
             return
-        servicer = self.servicer
+        context = self.context
         num_bytes = max(tensor.nbytes for tensor in step.sent_on.values())  # the hidden states
-        policy = (servicer.push_policy(self.session, next_hop, num_bytes) if next_hop
-                  else servicer.reply_policy(self.session, header.reply_decode_speed, num_bytes))
+        policy = (context.push_policy(self.session, next_hop, num_bytes) if next_hop
+                  else context.reply_policy(self.session, header.reply_decode_speed, num_bytes))
         encode_at = time.time()
-        encoded = await servicer.run_codec(encode_tensors, step.sent_on, policy)
+        encoded = await context.run_codec(encode_tensors, step.sent_on, policy)
         report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
                                                wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
         reports = header.reports + (report,)
         if next_hop is None:
-            reply = Message(kind=MessageKind.OUTPUT, step_id=header.step_id, batch_offset=header.batch_offset, reports=reports)
+            reply = OutputMessage(step_id=header.step_id, batch_offset=header.batch_offset, reports=reports)
             self.replies.put_nowait(envelope(reply, encoded.frames))
             return
-        failure = await servicer.push(self.session, header.model_copy(update={"reports": reports}), encoded, self.notify)
+        failure = await context.push(self.session, header.model_copy(update={"reports": reports}), encoded, self.notify)
         self.replies.put_nowait(failure if failure is not None else self._ack(header, (report,)))
 
     @staticmethod
     def _ack(header: StepHeader, reports: tuple[HopReport, ...]) -> Envelope:
-        return pack(Message(kind=MessageKind.ACK, step_id=header.step_id, batch_offset=header.batch_offset, reports=reports))
+        return pack(AckMessage(step_id=header.step_id, batch_offset=header.batch_offset, reports=reports))
 
-
-def compact_ids(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The accepted node ids of each row a step's compaction names; InvalidStep if its tensors are malformed."""
-    if any(name not in tensors for name in COMPACT_TENSORS):
-        raise InvalidStep(f"a step with compact_start carries {list(COMPACT_TENSORS)}")
-    ids, offsets = tensors["compact_ids"], tensors["compact_offsets"]
-    if ids.ndim != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise InvalidStep(f"compact_ids must be a 1-d integer tensor, got {ids.dtype} {list(ids.shape)}")
-    check_offsets(offsets, ids.numel())
-    return unpack_rows(ids, offsets)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from bloombee.protocol import Message, MessageKind
+from bloombee.protocol import AckMessage, ErrorMessage, parse_message
 from bloombee.protocol.service import block_service_stub
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ class PushChannel:
     async def _read_acks(self, responses: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         try:
             async for response in responses:
-                message = Message.model_validate_json(response.metadata)
-                if message.kind == MessageKind.ERROR:
+                message = parse_message(response.metadata, AckMessage, ErrorMessage)
+                if isinstance(message, ErrorMessage):
                     await self._fail(message.error or "the next server refused a push")
                     return
                 self._sent.pop((message.step_id, message.batch_offset or 0), None)

@@ -17,7 +17,7 @@ from bloombee import codec
 from bloombee.dht.records import ModelEntry, ServerRecord, ServerState, announce, announce_model, fetch_records
 from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
 from bloombee.planner.costs import offload_fraction
-from bloombee.protocol import PROTOCOL_FEATURES
+from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
@@ -162,7 +162,7 @@ class Server:
             public_name=self.public_name,
             codec_version=codec.CODEC_VERSION,
             codecs=codec.LAYOUTS,
-            features=PROTOCOL_FEATURES + (("tree_pruning",) if self.backend.pruner is not None else ()),
+            features=announced_features(pruner=self.backend.pruner is not None),
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
             planned_batch_size=self.planned[0] if self.planned else None,

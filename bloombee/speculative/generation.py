@@ -98,8 +98,7 @@ class SpeculativeGenerator:
                 self.switch.bandwidths = chain_bandwidths(session.link_bandwidth,
                                                           [span.record.link_bandwidth for span in session.spans])
                 roots = torch.tensor([row[-1] for row in generated])
-                if self.switch.speculate() and all("tree_steps" in span.record.features for span in session.spans) \
-                        and self._worth_trying(session):
+                if self.switch.speculate() and session.supports_tree_steps() and self._worth_trying(session):
                     if not draft_in_step:
                         self._prefill_draft(session, input_ids, attention_mask, generated, room)
                         draft_in_step = True

@@ -132,14 +132,11 @@ def tree_mask(parents_rows: list[torch.Tensor], width: int, prefix_keys: torch.T
     return mask
 
 
-TREE_TENSORS = ("tree_offsets", "tree_parents", "tree_tokens", "tree_ids")  # a tree step's descriptor on the wire
-COMPACT_TENSORS = ("compact_ids", "compact_offsets")  # the accepted nodes of each row's previous tree
-
-
 @dataclass(frozen=True)
 class PackedTrees:
-    """The trees of consecutive rows as sent: offsets [b + 1] into the packed nodes, and per node its parent (an
-    index within its row's tree), token and id (its index in the tree the client built: pruning keeps ids)."""
+    """The trees of consecutive rows as a tree step carries them (``bloombee.protocol.steps``): offsets [b + 1] into
+    the packed nodes, and per node its parent (an index within its row's tree), token and id (its index in the tree
+    the client built: pruning keeps ids)."""
 
     offsets: torch.Tensor
     parents: torch.Tensor
@@ -153,16 +150,6 @@ class PackedTrees:
         ids = torch.cat([torch.arange(tree.size) for tree in trees])
         return cls(offsets, parents, torch.cat([tree.tokens for tree in trees]), ids)
 
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PackedTrees:
-        """The trees a step carries; ValueError naming what is malformed."""
-        missing = [name for name in TREE_TENSORS if name not in tensors]
-        if missing:
-            raise ValueError(f"a tree step carries {list(TREE_TENSORS)}; missing {missing}")
-        trees = cls(*(tensors[name] for name in TREE_TENSORS))
-        trees.check()
-        return trees
-
     @property
     def num_rows(self) -> int:
         return self.offsets.numel() - 1
@@ -172,7 +159,10 @@ class PackedTrees:
         return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
     def check(self) -> None:
+        """Raise ValueError unless the offsets split the nodes into rows, each a tree, with a token and an id a node."""
         total = self.parents.numel()
+        if self.parents.ndim != 1:
+            raise ValueError(f"tree parents must be a 1-d tensor, one per node, got {list(self.parents.shape)}")
         check_offsets(self.offsets, total)
         for name in ("tokens", "ids"):
             tensor = getattr(self, name)
@@ -190,6 +180,3 @@ class PackedTrees:
         begin, end = int(self.offsets[first]), int(self.offsets[first + count])
         return PackedTrees(self.offsets[first:first + count + 1] - begin, self.parents[begin:end],
                            self.tokens[begin:end], self.ids[begin:end])
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(zip(TREE_TENSORS, (self.offsets, self.parents, self.tokens, self.ids)))

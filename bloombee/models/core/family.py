@@ -6,7 +6,6 @@ import re
 from dataclasses import dataclass, field
 
 from bloombee.models.core.config import BlockConfig, read_block_config
-from bloombee.models.core.stack import BlockStack, ClientHead
 
 
 def _patterns(renames: dict[str, str]) -> list[tuple[re.Pattern, str]]:
@@ -51,14 +50,6 @@ class Family:
         """The BlockConfig of block ``layer_index``."""
         return read_block_config(hf_config, layer_index, self.name, self.config_fields, self.config_defaults,
                                  self.config_adapter)
-
-    def block_stack(self, hf_config, start: int, end: int) -> BlockStack:
-        """Blocks [start, end) with fresh parameters (the loader fills them)."""
-        return BlockStack(self, hf_config, start, end)
-
-    def client_head(self, hf_config) -> ClientHead:
-        """Embeddings, final norm and LM head with fresh parameters (the loader fills them)."""
-        return ClientHead(self, hf_config)
 
     def block_tensor_name(self, checkpoint_name: str, index: int) -> str | None:
         """Module name inside block ``index`` for a checkpoint tensor, or None if it is not that block's."""

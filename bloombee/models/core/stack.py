@@ -1,22 +1,18 @@
 """BlockStack (a server's contiguous blocks [start, end)) and ClientHead (embeddings, final norm, LM head).
 
-One class each for every family: both take the family's ``Family`` (``bloombee.models.core.family``), whose
-``block_stack`` and ``client_head`` build them.
+One class each for every family: both take the family's ``Family`` (``bloombee.models.core.family``) and build
+fresh parameters (the loader fills them).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from bloombee.models.core.family import Family
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.offload import OffloadedKVCache, host_kv_heads
 from bloombee.models.core.rotary import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from bloombee.models.core.family import Family
 
 
 class BlockStack(nn.Module):

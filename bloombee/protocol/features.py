@@ -1,0 +1,28 @@
+"""Protocol features: what a server announces in its DHT record, and a client uses only with servers announcing it."""
+
+from enum import StrEnum
+
+
+class Feature(StrEnum):
+    """One protocol feature; on the wire (the record's `features`) its value, a string."""
+
+    PUSH = "push"  # a server pushes a step's output straight to the next server of its route
+    EXPLICIT_POSITIONS = "explicit_positions"  # steps name the cache slots they write (start_position)
+    BATCH_OFFSET = "batch_offset"  # steps name the first row they write
+    TOKEN_MASK = "token_mask"  # steps may mark padding tokens
+    ROPE_POSITIONS = "rope_positions"  # steps may carry their tokens' rope positions
+    HISTORY = "history"  # a server sends back its outputs so far (a replacement of the next server replays them)
+    MICRO_BATCHES = "micro_batches"  # a step may come as several micro-batches of rows
+    SESSION_COMPRESSION = "session_compression"  # a session may ask for its own codec mode
+    TREE_STEPS = "tree_steps"  # tree steps of speculative decoding (bloombee.protocol.steps.TreeStep)
+    TREE_PRUNING = "tree_pruning"  # the server holds a pruner for its last block and prunes tree steps (prune_tau)
+
+
+PROTOCOL_FEATURES = tuple(Feature)  # every feature this version speaks
+# what every client of this version uses; a server that does not announce all of them is not routed to
+REQUIRED_FEATURES = (Feature.PUSH, Feature.EXPLICIT_POSITIONS, Feature.TOKEN_MASK, Feature.HISTORY)
+
+
+def announced_features(pruner: bool) -> tuple[Feature, ...]:
+    """What a server of this version announces: every feature, tree pruning only if it holds a `pruner`."""
+    return tuple(feature for feature in Feature if pruner or feature != Feature.TREE_PRUNING)
