@@ -20,11 +20,14 @@ block k; its value excludes j's outgoing hop, known only once the next node is c
     F[k, j]      = min_{1 <= l <= k} op(arrive[k - l, j], comp[j, l])
     value        = min_j op(F[L, j], hop[j, client])
 
-in O(N L^2 + N^2 L). With M = 1 the value of + is the step time. With M >= 2, for every cap c at or
-above the least possible C (every distinct stage and hop time in turn, ascending), the + program
-over the times within c gives the least S(c) of a placement whose C <= c; the step time is the least
-S(c) + (M - 1) C of those placements, and the scan stops once S(inf) + (M - 1) c reaches it (S(c) >=
-S(inf), so no larger cap can win).
+in O(N L^2 + N^2 L). With M = 1 the value of + is the step time. With M >= 2 the optimum is on the
+front of placements that no other beats in both S and C: starting from the least S over all
+placements, each next + program keeps only the times below the last placement's C (the largest
+distinct stage or hop time under it) and gives the least S among placements with a smaller cycle.
+The best S + (M - 1) C along the front is the optimum (a placement off it has a front placement
+with S and C no larger). As S only grows along the front, a next placement can beat the best found
+only with C < (best - S) / (M - 1): each cap is the smaller of that and the largest time under the
+last C, and the walk stops below the least possible C (the max program's value).
 
 The program is exact for the model in ``costs``/``evaluate``: every contiguous assignment is a
 path through the states, and the step time of the placement found is computed with the same
@@ -112,23 +115,30 @@ def solve(
 
 def _best_pipelined(problem: _Problem, micro_batches: int) -> tuple[float, list[tuple[int, int]]] | None:
     """(step time, stages) of the placement with the least S + (M - 1) C, or None."""
-    fastest = _optimum(problem, np.add)
-    if fastest is None:
-        return None
-    best = (_step_time(problem, fastest[1], micro_batches), fastest[1])
-    if micro_batches == 1:
-        return best
+    found = _optimum(problem, np.add)
+    if found is None or micro_batches == 1:
+        return None if found is None else (_step_time(problem, found[1], micro_batches), found[1])
     least_cycle = _optimum(problem, np.maximum)[0]
-    times = np.concatenate([problem.comp[np.isfinite(problem.comp)], problem.hop[np.isfinite(problem.hop)]])
-    for cap in np.unique(times[times >= least_cycle]).tolist():
-        if fastest[0] + (micro_batches - 1) * cap >= best[0]:
-            break
-        within = _optimum(problem.within(cap), np.add)
-        if within is not None:
-            step_time = _step_time(problem, within[1], micro_batches)
-            if step_time < best[0]:
-                best = (step_time, within[1])
-    return best
+    tightest = _optimum(problem.within(least_cycle), np.add)[1]  # the least S among the least cycles: a good start
+    best = min((_step_time(problem, path, micro_batches), path) for path in (found[1], tightest))
+    times = np.unique(np.concatenate([problem.comp[np.isfinite(problem.comp)], problem.hop[np.isfinite(problem.hop)]]))
+    while True:
+        # the next placement on the front has a shorter cycle and an S no smaller, so it beats the best only with a
+        # cycle under (best - S) / (M - 1)
+        cap = min(_cycle(problem, found[1]) * (1 - 1e-12), (best[0] - found[0]) / (micro_batches - 1))
+        below = times[times <= cap]
+        if below.size == 0 or below[-1] < least_cycle:
+            return best
+        found = _optimum(problem.within(float(below[-1])), np.add)
+        best = min(best, (_step_time(problem, found[1], micro_batches), found[1]))
+
+
+def _cycle(problem: _Problem, path: list[tuple[int, int]]) -> float:
+    """C of a placement: its slowest stage or hop."""
+    nodes = [j for j, _ in path] + [problem.count]
+    return max([float(problem.hop[problem.count, nodes[0]])] + [
+        max(float(problem.comp[j, blocks]), float(problem.hop[j, successor]))
+        for (j, blocks), successor in zip(path, nodes[1:])])
 
 
 def _step_time(problem: _Problem, path: list[tuple[int, int]], micro_batches: int) -> float:
