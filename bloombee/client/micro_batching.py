@@ -41,9 +41,8 @@ logger = logging.getLogger(__name__)
 CANDIDATES = (1, 2, 4, 8, 16, 32)
 # steps whose mean is each server's measured compute speed (its reported compute time against the model's)
 SPEED_WINDOW = 5
-# more micro-batches are chosen only where the model has them this much faster: within its error (netbench: whole
-# prompts on fast links predicted up to 1.12x their time, split ones down to 0.87x) a split that gains less does not
-# pay for its extra messages
+# more micro-batches are chosen only where the model has them this much faster: a split that gains less than the
+# model's error does not pay for its extra messages
 SPLIT_MARGIN = 0.05
 SPEED_TOLERANCE = 1.25  # a chosen M stands while every server's measured speed stays within this factor of its own then
 MAX_REMEMBERED = 1024  # decisions kept per model
@@ -136,14 +135,12 @@ class MicroBatchChooser:
 
 
 class ComputeSpeeds:
-    """Each server's compute speed against its announced cost table, as its steps measure it, for micro-batches of
-    each size (rows, in power-of-two ranges): a mean of its recent steps' reported compute over the planner's of that
-    server in the same step (`measured_compute` and `modelled_compute`: on a single-threaded CPU server its compute
-    thread's CPU time against the table's time, elsewhere wall time against the simulation's). A machine's speed
-    drifts (load from other sessions or other tenants: on netbench's runs here servers computed up to 1.8x slower
-    than the tables they had measured minutes before), and not alike at every size: a product of few rows reads
-    the weights from memory, which other processes share, while one of many rows is bound by the core (here the
-    pipeline model's 32-row decode steps ran 1.27x slower than its table and its 128-row prompt chunks at 1.0x)."""
+    """Each server's compute speed against its announced cost table, as its steps measure it, per size class of
+    micro-batch (rows): the mean of its recent steps' reported compute over the planner's of that server in the
+    same step (`measured_compute` and `modelled_compute`: on a single-threaded CPU server its compute thread's CPU
+    time against the table's time, elsewhere wall time against the simulation's). A machine's speed drifts with
+    the load of other sessions and tenants, and not alike at every size (few rows read the weights from memory,
+    which other processes share; many rows are bound by the core)."""
 
     def __init__(self):
         self._factors: dict[tuple[str, int], Recent] = {}  # (node, size class) -> measured over modelled
@@ -170,12 +167,10 @@ class ComputeSpeeds:
 
 
 class CodecFigures:
-    """Each machine's codec as the session's own messages measure it, for micro-batches of each size (rows, in
-    power-of-two ranges): the ratio its encodes reach and their speed, and the speed of its decodes. A profile's
-    figures come from one message size of other data: on netbench's bloombee-tiny runs the client's embeddings
-    compressed 1.9-2.0x against the profile's 1.47, and a 256 KiB prompt took half its profiled encode time while a
-    16 KiB decode step took twice. Until a size range is measured, the nearest measured one stands in, and the
-    profile before any."""
+    """Each machine's codec as the session's own messages measure it, per size class of micro-batch (rows): the
+    ratio its encodes reach and their speed, and the speed of its decodes. A profile's figures come from one message
+    size of other data; until a size class is measured, the nearest measured one stands in, and the profile before
+    any."""
 
     def __init__(self):
         self._sizes: dict[tuple[str, int], SizeEstimates] = {}  # (machine, size range) -> what its codec did

@@ -5,23 +5,18 @@ message of ``N`` raw bytes pays on links slower than ``B*(N) = (1 - 1/r) / (1/C 
 (``r`` the ratio, ``C`` and ``D`` the encode and decode speeds in raw bytes per second, ``E + F`` the
 CPU time of the two calls beyond their bytes, which each process measures: `bloombee.codec.calls`).
 
-The calls' own time matters for small messages: in a tight loop it is three quarters of the codec's
-time on a 16 KiB decode step's frame and a sixth on a 256 KiB prompt's. In a swarm, where each
-step's compute leaves the codec's tables cold, a 16 KiB frame took about 6x its tight-loop CPU time,
-and figures learnt on decode steps, applied to prompts, kept them raw on links where compressing
-them paid (netbench, 250 Mbit/s: 15 % of bloombee-tiny's prompt step). So ``CompressionPolicy``
-keeps its figures per size class of message (powers of two): for each, the medians of recent ``r``,
-``1/C`` and ``1/D`` (`ByteCost`) from the encodes it
-makes and the decodes its receiver reports (the receiver's own speed of that class travels back in
-each step's route), takes ``B`` from the caller (the link speed the DHT records announce, the
-figure the planner models the hop with), and applies the rule per message. Use one policy per link.
-While it keeps choosing raw for a class it still compresses one message of it in ``probe_every`` so
-that its estimates follow the traffic.
+The calls' own time matters for small messages (a 16 KiB decode step's frame), and a codec's speed
+per byte differs between message sizes, so ``CompressionPolicy`` keeps its figures per size class of
+message (powers of two): for each, the medians of recent ``r``, ``1/C`` and ``1/D`` (`ByteCost`) from
+the encodes it makes and the decodes its receiver reports (the receiver's own speed of that class
+travels back in each step's route). It takes ``B`` from the caller (the link speed the DHT records
+announce, the figure the planner models the hop with) and applies the rule per message. Use one
+policy per link. While it keeps choosing raw for a class it still compresses one message of it in
+``probe_every`` so that its estimates follow the traffic.
 
-Speeds are CPU time of the thread that encodes or decodes. Wall time on a busy machine also counts
-the waits for the interpreter lock and for a core (measured here: 16 KiB frames that take 50 us of
-CPU took 1-4 ms of wall time in a swarm of three servers on two cores), which would make
-compression look 20-100x dearer than it is. Transfers are not timed either: the time from a push to
+Speeds are CPU time of the thread that encodes or decodes: wall time on a busy machine also counts
+the waits for the interpreter lock and for a core, which would make compression look many times
+dearer than it is. Transfers are not timed either: the time from a push to
 its acknowledgement is mostly the receiver's turnaround, not bytes over the link.
 """
 

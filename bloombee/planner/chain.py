@@ -15,27 +15,14 @@ from .evaluate import evaluate
 from .inputs import DTYPE_BYTES, NodeSpec, PlanInputs
 from .schedule import cpu_shares, simulate
 
-# wire latency of one message on one hop beyond its bytes (veth, daemons' sockets)
-MESSAGE_OVERHEAD_MS = 0.2
-# CPU time one message costs each end of a hop on a CPU host (protobuf, asyncio, the p2p daemon, the codec call),
-# taken in turns with that process's compute (one interpreter) and shared with the host's other processes; fitted on
-# netbench's bloombee-tiny and pipeline sweeps, where steps of M micro-batches grew by about this much per message
+# Figures of this 2-core machine, fitted on netbench's micro-batching sweeps (benchmarks/README.md, issue 15), until
+# each host measures its own:
+MESSAGE_OVERHEAD_MS = 0.2  # wire latency of one message on one hop beyond its bytes
+# CPU one message costs each end of a hop on a CPU host, in turns with that process's compute (one interpreter)
 MESSAGE_CPU_MS = 0.8
-# the same for the client, whose process does nothing else while it sends a step or takes its output: netbench's
-# unsplit steps on an unshaped link took 0.9-1.2 ms (bloombee-tiny) and 2.4-2.8 ms (the pipeline model) less on the
-# client's two hops than on the hops between servers, which the servers' pipeline stages hand on between threads
-CLIENT_MESSAGE_CPU_MS = 0.4
-# cores of a CPU host that its DHT peers and event loops keep busy while its servers compute at once, besides the
-# daemons' share of each message (`schedule.DAEMON_CORES_PER_MESSAGE`): fitted on netbench's micro-batching sweeps
-# together with that share (0.4 without it had the pipeline model's split prompts 1.08-1.20x their measured time and
-# bloombee-tiny's 0.81-0.9x; with both, the records of those sweeps re-predict within 0.82-1.18, and the sweeps run
-# with both had 6 of 176 cells outside 20 %, which the model without them re-predicts outside too)
-HOST_BUSY_CORES = 0.2
-# what the p2p stack (two daemons and protobuf per hop) carried on an unshaped veth here (netbench E1: 4 MB prompt
-# activations at 0.69 Gbit/s); a message crosses the stack and then its link (`through_stack`): so modelled, the
-# prompt steps of netbench's pipeline sweep came within 20 % of their measured time in 43 of 44 cells (the slower of
-# the two alone had left 2 of 44 outside in the sweep before), and all 44 with `schedule`'s acknowledgement term
-STACK_MBPS = 700.0
+CLIENT_MESSAGE_CPU_MS = 0.4  # the same for the client, whose process does nothing else meanwhile
+HOST_BUSY_CORES = 0.2  # cores of a CPU host its DHT peers and event loops keep busy while its servers compute
+STACK_MBPS = 700.0  # the p2p stack's rate: a message crosses it, then its link (`through_stack`)
 
 
 def timed_by_cpu(node: NodeSpec) -> bool:

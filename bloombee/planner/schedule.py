@@ -27,24 +27,14 @@ from dataclasses import dataclass
 from .evaluate import Evaluation, HopResult
 from .inputs import CLIENT, CpuShare, PlanInputs
 
-# bytes a hop's TCP keeps in flight while its link is the bottleneck: the acknowledgements that release them cross the
-# receiver's uplink, so a message that node sends delays them (`ack_slowdown`); fitted on netbench's pipeline sweep at
-# 20 Mbit/s, where 1-2 MB prompt micro-batches arriving at a server while it pushed its own output on took 1.3-1.6x
-# their time on an idle link (modelled so, those prompt steps came within 0.95-1.10 of their measured time, 0.79-0.92
-# before; in the sweep that followed, every prompt step within 0.89-1.14)
+# Figures fitted on netbench's micro-batching sweeps (benchmarks/README.md, issue 15), until each host measures its own:
+# bytes a hop's TCP keeps in flight while its link is the bottleneck; their acknowledgements cross the receiver's
+# uplink, so a message that node sends delays them (`ack_slowdown`)
 ACK_WINDOW_BYTES = 0.6e6
-
-# of the CPU time a message's bytes take at its ends (`CpuShare.stack_mbps`: the process and its p2p daemon together),
-# the share that takes turns with the process's compute; the rest is the daemon's, a process of its own. Fitted on
-# netbench's micro-batching sweeps: charging all of it put one of the pipeline model's split prompts at 1.21x its
-# measured time, charging half brought every step of both sweeps within 0.82-1.19 (in the sweeps that followed,
-# 0.81-1.20)
+# of the CPU a message's bytes take at its ends (`CpuShare.stack_mbps`), the share that takes turns with the process's
+# compute; the rest is its p2p daemon's, a process of its own
 INTERPRETER_SHARE_OF_STACK = 0.5
-
-# cores of its host that a process's p2p daemon takes while that process handles a message (`CpuShare.message_ms`):
-# the daemon frames and moves the same message in a process of its own. Fitted on netbench's micro-batching sweeps,
-# whose servers computed two prompt micro-batches at once at 1.00-1.07x their CPU time on the pipeline model (few large
-# messages) and at 1.2x on bloombee-tiny (many small ones), which one constant load on the host could not both match
+# cores of its host that a process's p2p daemon takes while that process handles a message (`CpuShare.message_ms`)
 DAEMON_CORES_PER_MESSAGE = 0.5
 
 
