@@ -86,13 +86,14 @@ class SequenceManager:
                 self._banned_records[peer_id] = record
         logger.warning("Banned server %s for %.0f s", peer_id, seconds)
 
-    def is_usable(self, peer_id: str, record: ServerRecord) -> bool:
-        return self.could_use(peer_id, record) and self.ban_left(peer_id) == 0
+    def is_usable(self, peer_id: str, record: ServerRecord, at: float | None = None) -> bool:
+        """Whether this client routes through the server, its ban judged as of `at` (monotonic; default now)."""
+        return self.could_use(peer_id, record) and self.ban_left(peer_id, at) == 0
 
-    def ban_left(self, peer_id: str) -> float:
-        """Seconds until this client's ban of `peer_id` ends (0 when it is not banned)."""
+    def ban_left(self, peer_id: str, at: float | None = None) -> float:
+        """Seconds from `at` (monotonic; default now) until this client's ban of `peer_id` ends (0: not banned)."""
         banned_until, _ = self._bans.get(peer_id, (0.0, 0))
-        return max(banned_until - time.monotonic(), 0.0)
+        return max(banned_until - (time.monotonic() if at is None else at), 0.0)
 
     def could_use(self, peer_id: str, record: ServerRecord) -> bool:
         """Whether this client would route through the server were it not banned."""
@@ -115,11 +116,11 @@ class SequenceManager:
             return {peer_id: (record, self.ban_left(peer_id)) for peer_id, record in records.items()
                     if self.ban_left(peer_id) > 0 and self.could_use(peer_id, record)}
 
-    def usable_servers(self) -> dict[str, ServerRecord]:
+    def usable_servers(self, at: float | None = None) -> dict[str, ServerRecord]:
         """Usable servers' records, their free bytes net of what this client's sessions took since they were read."""
         with self._lock:
             return {peer_id: self._net_of_held(peer_id, record) for records in self._records
-                    for peer_id, record in records.items() if self.is_usable(peer_id, record)}
+                    for peer_id, record in records.items() if self.is_usable(peer_id, record, at)}
 
     def hold(self, spans: list[Span], tokens: int, sign: int = 1) -> None:
         """Count a session of `tokens` tokens opened (sign 1) or closed (-1) on these spans' servers, so that
@@ -141,15 +142,17 @@ class SequenceManager:
 
     def make_route(self, start: int = 0, end: int | None = None, tokens: int = 0) -> list[Span]:
         """The chain covering blocks [start, end) with the least estimated step time for a session of `tokens`
-        (batch x max_length) tokens, held for it until `hold(chain, tokens, -1)`; refreshes once if needed."""
+        (batch x max_length) tokens, held for it until `hold(chain, tokens, -1)`; refreshes once if needed. Bans are
+        judged as of the call: a DHT read slowed by a frozen peer does not outlast the ban of that peer."""
         end = self.num_blocks if end is None else end
+        asked = time.monotonic()
         self.update()
         try:
-            return self._route_and_hold(start, end, tokens)
+            return self._route_and_hold(start, end, tokens, asked)
         except MissingBlocksError:
             self.update(force=True)
         try:
-            return self._route_and_hold(start, end, tokens)
+            return self._route_and_hold(start, end, tokens, asked)
         except MissingBlocksError as error:
             raise MissingBlocksError(self._explain_missing(start, end) or str(error)) from None
 
@@ -159,10 +162,10 @@ class SequenceManager:
         missing = [block for block in range(start, end) if not any(r.start_block <= block < r.end_block for r in usable)]
         return banned_blocks_message(missing, self.banned_servers(), self.model_name)
 
-    def _route_and_hold(self, start: int, end: int, tokens: int) -> list[Span]:
+    def _route_and_hold(self, start: int, end: int, tokens: int, asked: float) -> list[Span]:
         """The best chain, counted as held at once: concurrent sessions of this client see each other's choice."""
         with self._route_lock:
-            chain = best_chain(self.usable_servers(), start, end, self.span_cost(tokens), self.model_name)
+            chain = best_chain(self.usable_servers(asked), start, end, self.span_cost(tokens), self.model_name)
             self.hold(chain, tokens)
             return chain
 
