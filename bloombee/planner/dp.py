@@ -125,7 +125,7 @@ def _best_pipelined(problem: _Problem, micro_batches: int) -> tuple[float, list[
     while True:
         # the next placement on the front has a shorter cycle and an S no smaller, so it beats the best only with a
         # cycle under (best - S) / (M - 1)
-        cap = min(_cycle(problem, found[1]) * (1 - 1e-12), (best[0] - found[0]) / (micro_batches - 1))
+        cap = min(_trip_and_cycle(problem, found[1])[1] * (1 - 1e-12), (best[0] - found[0]) / (micro_batches - 1))
         below = times[times <= cap]
         if below.size == 0 or below[-1] < least_cycle:
             return best
@@ -133,16 +133,8 @@ def _best_pipelined(problem: _Problem, micro_batches: int) -> tuple[float, list[
         best = min(best, (_step_time(problem, found[1], micro_batches), found[1]))
 
 
-def _cycle(problem: _Problem, path: list[tuple[int, int]]) -> float:
-    """C of a placement: its slowest stage or hop."""
-    nodes = [j for j, _ in path] + [problem.count]
-    return max([float(problem.hop[problem.count, nodes[0]])] + [
-        max(float(problem.comp[j, blocks]), float(problem.hop[j, successor]))
-        for (j, blocks), successor in zip(path, nodes[1:])])
-
-
-def _step_time(problem: _Problem, path: list[tuple[int, int]], micro_batches: int) -> float:
-    """S + (M - 1) C of a placement, in ``evaluate``'s order of operations."""
+def _trip_and_cycle(problem: _Problem, path: list[tuple[int, int]]) -> tuple[float, float]:
+    """(S, C) of a placement: the sum of its stage and hop times, in ``evaluate``'s order, and the slowest of them."""
     nodes = [j for j, _ in path] + [problem.count]
     total = cycle = float(problem.hop[problem.count, nodes[0]])
     for (j, blocks), successor in zip(path, nodes[1:]):
@@ -150,6 +142,12 @@ def _step_time(problem: _Problem, path: list[tuple[int, int]], micro_batches: in
         total = total + compute
         total = total + transfer
         cycle = max(cycle, compute, transfer)
+    return total, cycle
+
+
+def _step_time(problem: _Problem, path: list[tuple[int, int]], micro_batches: int) -> float:
+    """S + (M - 1) C of a placement, in ``evaluate``'s order of operations."""
+    total, cycle = _trip_and_cycle(problem, path)
     return total if micro_batches == 1 else total + (micro_batches - 1) * cycle
 
 
