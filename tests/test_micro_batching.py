@@ -124,54 +124,61 @@ def test_auto_takes_the_plans_micro_batches_for_the_batch_it_planned():
 
 
 def test_each_message_costs_cpu_at_both_ends_of_its_hop_taken_in_turns_with_compute():
-    from bloombee.planner.chain import CLIENT_MESSAGE_CPU_MS, MESSAGE_CPU_MS, chain_inputs
+    """Each process is charged the CPU its own host measured a message costs (here 0.8 ms on the servers' hosts and
+    0.4 ms on the client's)."""
+    from bloombee.planner.chain import chain_inputs
     from bloombee.planner import evaluate
     from bloombee.planner.schedule import cpu_shares, simulate
 
+    server_ms, client_ms = 0.8, 0.4
     # the stack's share of each transfer (`stack_mbps`, tested below) is left out here
     nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}",
-              "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "stack_mbps": 0}} for i in range(3)]
+              "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "message_ms": server_ms}} for i in range(3)]
     model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
 
     def schedule(micro_batches: int, client_cpu: dict | None, with_cpu: bool = True):
         chain_nodes = nodes if with_cpu else [{k: v for k, v in node.items() if k != "cpu"} for node in nodes]
-        inputs = chain_inputs(model, chain_nodes, [1e5] * 4, [2, 2, 2], 32, 32, "float32", "off", client_cpu=client_cpu)
+        inputs = chain_inputs(model, chain_nodes, [700.0] * 4, [2, 2, 2], 32, 32, "float32", "off", client_cpu=client_cpu)
         return simulate(evaluate(inputs, [2, 2, 2], 32, micro_batches), cpu_shares(inputs))
 
-    client = {"host": "c", "threads": 1, "cores": 2, "stack_mbps": 0}
+    client = {"host": "c", "threads": 1, "cores": 2, "message_ms": client_ms}
     _, without = schedule(1, None, with_cpu=False)
     _, charged = schedule(1, client)
     # 4 hops, a sender and a receiver each: the servers' 6 messages and the client's 2
-    assert charged - without == pytest.approx((6 * MESSAGE_CPU_MS + 2 * CLIENT_MESSAGE_CPU_MS) * 1e-3)
+    assert charged - without == pytest.approx((6 * server_ms + 2 * client_ms) * 1e-3)
     intervals, _ = schedule(2, client)
     first = next(i for i in intervals if i.row == "s0 compute" and i.micro_batch == 0)
     second_arrives = next(i for i in intervals if i.row == "s0 receive" and i.micro_batch == 1)
     assert first.start_s < second_arrives.start_s < first.end_s  # micro-batch 2 arrives while 1 computes
     nominal = next(i for i in schedule(2, None, with_cpu=False)[0] if i.row == "s0 compute" and i.micro_batch == 0)
     slowed = (first.end_s - first.start_s) - (nominal.end_s - nominal.start_s)
-    assert slowed == pytest.approx(MESSAGE_CPU_MS * 1e-3, rel=0.05)  # they took turns on one interpreter
+    assert slowed == pytest.approx(server_ms * 1e-3, rel=0.05)  # they took turns on one interpreter
+
+
+STACK_MBPS = 700.0  # a host's measured stack rate, as these tests announce it
 
 
 def test_a_servers_compute_takes_turns_with_the_messages_streaming_through_it():
     """On unshaped links a transfer is all p2p stack: while micro-batch 2 streams into s0, s0's compute of micro-batch
-    1 takes turns with the interpreter's share of the stack (INTERPRETER_SHARE_OF_STACK, half), so gets 1/1.5 of its
+    1 takes turns with the interpreter's share of the stack (its host measured half), so gets 1/1.5 of its
     interpreter; where the stack is a tenth of the transfer (a slower link), 1/1.05 of it."""
-    from bloombee.planner.chain import STACK_MBPS, chain_inputs, through_stack
+    from bloombee.planner.chain import chain_inputs, through_stack
     from bloombee.planner import evaluate
-    from bloombee.planner.schedule import INTERPRETER_SHARE_OF_STACK, cpu_shares, simulate, streaming
+    from bloombee.planner.schedule import cpu_shares, simulate, streaming
 
-    assert INTERPRETER_SHARE_OF_STACK == 0.5
     model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
+    client = {"host": "c", "threads": 1, "cores": 2, "stack_mbps": STACK_MBPS}
     for link_mbps, expected in ((1e6, 1 / 1.5), (STACK_MBPS / 9, 1 / 1.05)):
         nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}",
-                  "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "message_ms": 0}} for i in range(2)]
-        inputs = chain_inputs(model, nodes, [link_mbps] * 3, [3, 3], 32, 32, "float32", "off")
+                  "cpu": {"host": f"h{i}", "threads": 1, "cores": 2, "stack_mbps": STACK_MBPS,
+                          "interpreter_share": 0.5}} for i in range(2)]
+        inputs = chain_inputs(model, nodes, [link_mbps] * 3, [3, 3], 32, 32, "float32", "off", client_cpu=client)
         evaluation = evaluate(inputs, [3, 3], 32, 2)
         into_s0 = evaluation.client_hop
-        assert into_s0.bandwidth_mbps == pytest.approx(through_stack(link_mbps))
-        stack_share = min(1.0, through_stack(link_mbps) / STACK_MBPS)
-        assert streaming([into_s0], cpu_shares(inputs)) == {"s0": pytest.approx(0.5 * stack_share)}
-        intervals, _ = simulate(evaluation, cpu_shares(inputs))
+        assert into_s0.bandwidth_mbps == pytest.approx(through_stack(link_mbps, STACK_MBPS, STACK_MBPS))
+        stack_share = min(1.0, into_s0.bandwidth_mbps / STACK_MBPS)
+        assert streaming([into_s0], cpu_shares(inputs))["s0"] == pytest.approx(0.5 * stack_share)
+        intervals, _ = simulate(evaluation, {"s0": cpu_shares(inputs)["s0"]})
         compute = next(i for i in intervals if i.row == "s0 compute" and i.micro_batch == 0)
         arriving = next(i for i in intervals if i.row == "client -> s0" and i.micro_batch == 1)
         overlap = min(arriving.end_s, compute.end_s) - max(arriving.start_s, compute.start_s)
@@ -266,7 +273,8 @@ def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatc
     import bloombee.client.micro_batching as micro_batching
     from bloombee.planner import evaluate
 
-    monkeypatch.setattr(micro_batching, "client_cpu_share", lambda: {"host": "c", "threads": 1, "cores": 2})
+    client = {"host": "c", "threads": 1, "cores": 2, "message_ms": 0.4, "stack_mbps": STACK_MBPS}
+    monkeypatch.setattr(micro_batching, "client_cpu_share", lambda: client)
     choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
     spans = chain(1e5, (0.5, 0.6, 1.0))
 
@@ -281,16 +289,18 @@ def test_auto_chooses_again_once_a_chain_proves_slower_than_announced(monkeypatc
 
 
 def test_a_message_crosses_the_p2p_stack_and_then_its_link():
-    """A hop's time is the stack's (STACK_MBPS) plus the link's: no link makes a hop faster than the stack, and a
-    slow link pays the stack's copies on top of its own transmission."""
-    from bloombee.planner.chain import STACK_MBPS, chain_inputs
+    """A hop's time is the stack's (the rate its hosts measured) plus the link's: no link makes a hop faster than the
+    stack, and a slow link pays the stack's copies on top of its own transmission."""
+    from bloombee.planner.chain import chain_inputs
     from bloombee.planner import evaluate
 
     model = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off").model
-    nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}"} for i in range(3)]
+    nodes = [{**profile((10.0, 30.0, 110.0)), "name": f"s{i}",
+              "cpu": {"host": "h", "threads": 1, "cores": 2, "stack_mbps": STACK_MBPS}} for i in range(3)]
 
     def first_hop_s(link_mbps: float) -> float:
-        inputs = chain_inputs(model, nodes, [link_mbps] * 4, [2, 2, 2], 32, 32, "float32", "off")
+        inputs = chain_inputs(model, nodes, [link_mbps] * 4, [2, 2, 2], 32, 32, "float32", "off",
+                              client_cpu={"host": "h", "threads": 1, "cores": 2, "stack_mbps": STACK_MBPS})
         return evaluate(inputs, [2, 2, 2], 32, 1).client_hop.time_s
 
     megabits = 40.0 * (first_hop_s(20.0) - first_hop_s(40.0))  # the stack's share and the latency cancel out
@@ -299,19 +309,29 @@ def test_a_message_crosses_the_p2p_stack_and_then_its_link():
 
 
 def test_more_micro_batches_only_where_the_model_has_them_clearly_faster():
-    """Within SPLIT_MARGIN of the fewer micro-batches' time a split is not worth its messages."""
-    from bloombee.client.micro_batching import SPLIT_MARGIN
+    """Once steps have measured the model's error, a split within its spread of the fewer micro-batches' time is not
+    worth its messages; before, the model's fastest is taken."""
+    from bloombee.client.steps import StepStats
 
-    def chooser(times: dict[int, float]) -> MicroBatchChooser:
+    def chooser(times: dict[int, float], measured: list[float]) -> MicroBatchChooser:
         choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off")
         choose.step_seconds = lambda spans, batch, tokens, context, micro_batches: times[micro_batches]
+        choose.chain_inputs = lambda *args, **kwargs: None  # no compute speeds to learn here
+        for seconds in measured:  # steps of one micro-batch predicted at times[1]
+            choose(spans, 32, 16, 32)
+            choose.observe(spans, 32, 16, 32, StepStats(micro_batches=choose(spans, 32, 16, 32), total_s=seconds))
+            choose._chosen.clear()
         return choose
 
     spans = chain(20.0)
-    slightly = 1 - SPLIT_MARGIN / 2
-    assert chooser({1: 1.0, 2: slightly, 4: 1.2})(spans, 32, 16, 16) == 1
-    assert chooser({1: 1.0, 2: 0.9, 4: 0.9 * slightly, 8: 1.0})(spans, 32, 16, 16) == 2
-    assert chooser({1: 1.0, 2: slightly, 4: 0.8, 8: 0.9})(spans, 32, 16, 16) == 4
+    assert chooser({1: 1.0, 2: 0.97, 4: 1.2}, [])(spans, 32, 16, 16) == 2  # nothing measured: no margin
+    noisy = [0.9, 1.1, 1.0, 0.9, 1.1]  # 10 % off either way
+    assert chooser({1: 1.0, 2: 0.97, 4: 1.2}, noisy).split_margin == pytest.approx(0.1)
+    assert chooser({1: 1.0, 2: 0.97, 4: 1.2}, noisy)(spans, 32, 16, 16) == 1
+    assert chooser({1: 1.0, 2: 0.85, 4: 0.83, 8: 1.0}, noisy)(spans, 32, 16, 16) == 2
+    assert chooser({1: 1.0, 2: 0.97, 4: 0.8, 8: 0.9}, noisy)(spans, 32, 16, 16) == 4
+    steady = [1.2] * 5  # always 20 % slower than predicted: no spread, no margin
+    assert chooser({1: 1.0, 2: 0.97, 4: 1.2}, steady)(spans, 32, 16, 16) == 2
 
 
 def test_codec_figures_are_what_the_sessions_messages_measured():

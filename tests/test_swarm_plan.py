@@ -41,14 +41,15 @@ def swarm(tmp_path_factory):
     weights = weight_bytes(folder, 0, 4)
     kv = 4 * PLAN_BATCH * PLAN_SEQ_LEN * KV_PER_TOKEN_BLOCK  # 4 blocks' cache for the planned workload
     device_memory = weights + kv // 2 + 16 * 1024  # half the cache on the device: 4 blocks need offload
-    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
+    cache = tmp_path_factory.mktemp("cache")
+    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), cache)
     profiles = tmp_path_factory.mktemp("profiles")
     try:
         for name, blocks in (("left", "0:4"), ("right", "4:8")):
             swarm.add_server("--blocks", blocks, "--dtype", "float32", "--profile", str(profiles / f"{name}.yaml"),
                              "--device-memory", str(device_memory), name=name, wait=False)
         swarm.wait_online(["left", "right"])
-        swarm.profiles = profiles
+        swarm.profiles, swarm.cache = profiles, cache
         yield swarm
     finally:
         swarm.stop()
@@ -59,6 +60,16 @@ def test_profile_is_a_valid_planner_node(swarm):
     spec = NodeSpec.model_validate(node)
     assert spec.name == "left" and spec.gpu_memory_gib > 0 and spec.compression.ratio > 0
     assert all(value > 0 for value in spec.cost.table.mlp_ms)
+
+
+def test_profiles_announce_what_messages_cost_their_host(swarm):
+    """Both servers run on this host: they announce the figures it measured, once (cached under its fingerprint)."""
+    left, right = (NodeSpec.model_validate(yaml.safe_load((swarm.profiles / f"{name}.yaml").read_text())["nodes"][0]).cpu
+                   for name in ("left", "right"))
+    assert left.message_ms > 0 and left.stack_mbps > 0 and 0 < left.daemon_share < 1 and 0 < left.interpreter_share <= 1
+    assert left == right
+    measured = json.loads((swarm.cache / "host_costs.json").read_text())
+    assert len(measured) == 1 and next(iter(measured.values()))["message_ms"] == left.message_ms
 
 
 def test_live_swarm_plan_reads_in_the_servers_terms(swarm):

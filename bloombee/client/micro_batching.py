@@ -21,7 +21,7 @@ import torch
 from bloombee.client.routing import Span
 from bloombee.client.steps import StepStats
 from bloombee.codec.policy import SizeEstimates
-from bloombee.host import cpu_share
+from bloombee.host import cpu_share, latency_ms
 from bloombee.planner import PlanInputs
 from bloombee.planner.chain import (
     chain_inputs,
@@ -41,9 +41,8 @@ logger = logging.getLogger(__name__)
 CANDIDATES = (1, 2, 4, 8, 16, 32)
 # steps whose mean is each server's measured compute speed (its reported compute time against the model's)
 SPEED_WINDOW = 5
-# more micro-batches are chosen only where the model has them this much faster: a split that gains less than the
-# model's error does not pay for its extra messages
-SPLIT_MARGIN = 0.05
+# steps whose measured time against the model's prediction gives the model's error on this client's chains
+ERROR_WINDOW = 9
 SPEED_TOLERANCE = 1.25  # a chosen M stands while every server's measured speed stays within this factor of its own then
 MAX_REMEMBERED = 1024  # decisions kept per model
 
@@ -58,12 +57,15 @@ class MicroBatchChooser:
         self._unprofiled: set[str] = set()
         self._chosen: dict[tuple, tuple[int, list[float]]] = {}  # step key -> (M, the speeds it was chosen at)
         self._modelled: dict[tuple, tuple[dict[str, float], PlanInputs]] = {}  # step key and M -> modelled compute
+        self._predicted: dict[tuple, float] = {}  # (step key, M) -> the model's seconds when M was chosen
+        self.prediction_error = Recent(ERROR_WINDOW)  # measured over predicted step time
         self.speeds = ComputeSpeeds()
         self.codecs = CodecFigures()
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
-        """M for one step (more micro-batches only where the model has them SPLIT_MARGIN faster); steps scored alike
-        (`step_key`) reuse it while no server's measured speed moved by more than SPEED_TOLERANCE since."""
+        """M for one step (more micro-batches only where the model has them faster by more than its measured error,
+        `split_margin`: a split that gains less may not pay for its extra messages); steps scored alike (`step_key`)
+        reuse it while no server's measured speed moved by more than SPEED_TOLERANCE since."""
         key = step_key(spans, batch_size, num_tokens, context)
         sizes = {micro_batch_size(batch_size * num_tokens, m) for m in CANDIDATES if m <= batch_size}
         factors = [self.speeds.factor(node_name(span), size) for span in spans for size in sorted(sizes)]
@@ -71,16 +73,24 @@ class MicroBatchChooser:
         if chosen is None or any(max(now / then, then / now) > SPEED_TOLERANCE for now, then in zip(factors, chosen[1])):
             if len(self._chosen) >= MAX_REMEMBERED:
                 self._chosen.clear()
-            chosen = self._chosen[key] = (self._choose(spans, batch_size, num_tokens, context), factors)
+                self._predicted.clear()
+            chosen = self._chosen[key] = (self._choose(key, spans, batch_size, num_tokens, context), factors)
         return chosen[0]
 
-    def _choose(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
+    @property
+    def split_margin(self) -> float:
+        """How much faster the model must have more micro-batches: the spread of its measured error (0 until a step
+        it predicted was measured)."""
+        return self.prediction_error.spread
+
+    def _choose(self, key: tuple, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
         best, best_s, previous_s = 1, float("inf"), float("inf")
         for micro_batches in (m for m in CANDIDATES if m <= batch_size):
             seconds = self.step_seconds(spans, batch_size, num_tokens, context, micro_batches)
             if seconds is None:
                 return 1
-            if seconds < best_s * (1 - SPLIT_MARGIN):
+            self._predicted[(key, micro_batches)] = seconds
+            if seconds < best_s * (1 - self.split_margin):
                 best, best_s = micro_batches, seconds
             if seconds > previous_s:  # past the minimum: step times fall to one as M grows, then rise
                 break
@@ -102,6 +112,8 @@ class MicroBatchChooser:
         rows = micro_batch_size(batch_size * num_tokens, micro_batches)
         self.codecs.observe([node_name(span) for span in spans], rows, step)
         key = (step_key(spans, batch_size, num_tokens, context), micro_batches)
+        if key in self._predicted and step.total_s > 0:
+            self.prediction_error.update(step.total_s / self._predicted[key])
         if key not in self._modelled:
             inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
             if inputs is None:
@@ -247,7 +259,6 @@ def step_key(spans: Sequence[Span], batch_size: int, num_tokens: int, context: i
 
 
 def client_cpu_share() -> dict:
-    """This client process's CPU share: in a swarm on one machine its messages compete with the servers' compute."""
-    return cpu_share(torch.get_num_threads())
-
-
+    """This client process's CPU share (in a swarm on one machine its messages compete with the servers' compute), what
+    messages cost its host, and its end of a hop's latency (`latency_ms`)."""
+    return cpu_share(torch.get_num_threads()) | {"latency_ms": latency_ms()}

@@ -40,11 +40,6 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 
-# Priors used until the first observations arrive, from benchmarks/results/codec.json
-# (bytesplit, level 1, real fp16/bf16 activations on one core).
-PRIOR_RATIO = 1.3
-PRIOR_COMPRESS_SPEED = 400e6  # raw bytes per second
-PRIOR_DECOMPRESS_SPEED = 1.0e9  # raw bytes per second
 SPEED_WINDOW = 9  # codec ratios and speeds are the median of this many recent calls
 
 
@@ -122,9 +117,9 @@ class CompressionPolicy:
         layout: str = "auto",
         accepted: Iterable[str] | None = None,
         level: int | None = None,
-        prior_ratio: float = PRIOR_RATIO,
-        prior_compress_speed: float = PRIOR_COMPRESS_SPEED,
-        prior_decompress_speed: float = PRIOR_DECOMPRESS_SPEED,
+        prior_ratio: float | None = None,
+        prior_compress_speed: float | None = None,
+        prior_decompress_speed: float | None = None,
         min_bytes: int = MIN_COMPRESS_BYTES,
         probe_every: int = 32,
     ):
@@ -139,7 +134,9 @@ class CompressionPolicy:
         self.min_bytes = min_bytes
         self.probe_every = probe_every
         self._lock = threading.Lock()
-        self._priors = (prior_ratio, prior_compress_speed, prior_decompress_speed)
+        calls = call_costs()  # this machine's figures on a sample stand until messages measure their own
+        self._priors = (prior_ratio or calls.ratio, prior_compress_speed or calls.compress_speed,
+                        prior_decompress_speed or calls.decompress_speed)
         self._sizes: dict[int, SizeEstimates] = {}
         self._bandwidth = link_bandwidth
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}

@@ -15,14 +15,6 @@ from .evaluate import evaluate
 from .inputs import DTYPE_BYTES, NodeSpec, PlanInputs
 from .schedule import cpu_shares, simulate
 
-# Figures of this 2-core machine, fitted on netbench's micro-batching sweeps (benchmarks/README.md, issue 15), until
-# each host measures its own:
-MESSAGE_OVERHEAD_MS = 0.2  # wire latency of one message on one hop beyond its bytes
-# CPU one message costs each end of a hop on a CPU host, in turns with that process's compute (one interpreter)
-MESSAGE_CPU_MS = 0.8
-CLIENT_MESSAGE_CPU_MS = 0.4  # the same for the client, whose process does nothing else meanwhile
-HOST_BUSY_CORES = 0.2  # cores of a CPU host its DHT peers and event loops keep busy while its servers compute
-STACK_MBPS = 700.0  # the p2p stack's rate: a message crosses it, then its link (`through_stack`)
 
 
 def timed_by_cpu(node: NodeSpec) -> bool:
@@ -60,58 +52,60 @@ def scaled_cost(node: dict, factor: float) -> dict:
               for key, values in cost[part].items()}
     node = {**node, "cost": {**cost, part: scaled}}
     if node.get("cpu"):
-        node["cpu"] = {**node["cpu"], "message_ms": MESSAGE_CPU_MS * factor}
+        node["cpu"] = {**node["cpu"], "message_ms": node["cpu"].get("message_ms", 0.0) * factor}
     return node
 
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
                  dtype: str, compression: str, hop_mbps: Sequence[float] | None = None,
                  client_cpu: dict | None = None, client_codec: dict | None = None) -> PlanInputs:
-    """Planner inputs of a chain of `nodes` (planner node dicts without links) holding `blocks` blocks each.
+    """Planner inputs of a chain of `nodes` (planner node dicts, as announced) holding `blocks` blocks each.
 
     `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
-    last node -> client), when known, overrides them hop by hop. A step of T tokens per row over a
-    `context`-token cache is scored as `rows` = B x T rows over context / T (the same KV bytes).
-    `client_codec`: the client's codec figures (without, it has none).
-    Every process on a CPU (the nodes that announce a CPU share, and the client when `client_cpu` gives
-    its own) spends MESSAGE_CPU_MS of that CPU (the client CLIENT_MESSAGE_CPU_MS) on each message it sends or
-    receives, and their host has HOST_BUSY_CORES of its cores fewer for their compute.
+    last node -> client), when known, overrides them hop by hop. A step of T tokens per row is scored as
+    `rows` = B x T rows over context / T (the same KV bytes). `client_cpu`: the client's own `CpuShare`
+    (with what messages cost its host) and its end of a hop's `latency_ms`, `client_codec`: its codec figures (without, it has none).
+    Every link is slowed by the p2p stack of the process at its end, at the rate its host measured.
     """
     names = [node["name"] for node in nodes]
+    ends = [client_cpu or {}, *[node.get("cpu") or {} for node in nodes]]
+    stack = dict(zip(["client", *names], [end.get("stack_mbps", 0.0) for end in ends]))
     overrides = [] if hop_mbps is None else [
-        {"src": src, "dst": dst, "bandwidth_mbps": through_stack(mbps)}
+        {"src": src, "dst": dst, "bandwidth_mbps": through_stack(mbps, stack[src], stack[dst])}
         for src, dst, mbps in zip(["client", *names], [*names, "client"], hop_mbps)]
-    client = {"link": link(links_mbps[0])}
+    client = {"link": link(links_mbps[0], stack["client"], client_latency_ms(client_cpu))}
     if client_codec is not None:
         client["compression"] = client_codec
     if client_cpu is not None:
-        client["cpu"] = with_host_costs({"message_ms": CLIENT_MESSAGE_CPU_MS, **client_cpu})
+        client["cpu"] = {key: value for key, value in client_cpu.items() if key != "latency_ms"}
     return PlanInputs.model_validate({
         "model": model | {"num_blocks": sum(blocks)},
         "workload": {"batch_sizes": [rows], "micro_batches": [1], "seq_len": max(context, 1),
                      "dtype": planner_dtype(dtype), "compression": compression},
         "client": client,
-        "nodes": [{**node, "link": link(mbps)} | ({"cpu": with_host_costs(node["cpu"])} if node.get("cpu") else {})
+        "nodes": [{**node, "link": link(mbps, stack[node["name"]], node.get("link", {}).get("latency_ms", 0.0))}
                   for node, mbps in zip(nodes, links_mbps[1:])],
         "link_overrides": overrides,
     })
 
 
-def with_host_costs(cpu: dict) -> dict:
-    """A CPU share with its host's costs: the CPU of a message and its stack's rate (unless given) and the cores kept
-    busy."""
-    return {"message_ms": MESSAGE_CPU_MS, "stack_mbps": STACK_MBPS, **cpu, "busy_cores": HOST_BUSY_CORES}
+def client_latency_ms(client_cpu: dict | None) -> float:
+    """The client's end of a hop's latency, as its host measured it (0 when it gave none)."""
+    return (client_cpu or {}).get("latency_ms", 0.0)
 
 
-def through_stack(mbps: float) -> float:
-    """The rate at which a message crosses a link of `mbps`: the p2p stack's copies and the link's transmission do not
-    overlap (a message's time is the sum of both), so a stack of STACK_MBPS slows even a slow link a little."""
-    return 1.0 / (1.0 / mbps + 1.0 / STACK_MBPS)
+def through_stack(mbps: float, *stacks_mbps: float) -> float:
+    """The rate at which a message crosses a link of `mbps` between processes whose p2p stacks move bytes at
+    `stacks_mbps` (0: not measured): the stacks' copies and the link's transmission do not overlap (a message's time is
+    the sum of both), each end doing half of the copies, so a stack slows even a slow link a little."""
+    return 1.0 / (1.0 / mbps + sum(0.5 / stack for stack in stacks_mbps if stack > 0))
 
 
-def link(mbps: float) -> dict:
-    mbps = through_stack(mbps)
-    return {"uplink_mbps": mbps, "downlink_mbps": mbps, "latency_ms": MESSAGE_OVERHEAD_MS / 2}
+def link(mbps: float, stack_mbps: float, latency_ms: float) -> dict:
+    """A node's link of `mbps` through its own stack (counted at both ends of a hop, as its end's half), with the
+    latency its end of a hop adds."""
+    mbps = through_stack(mbps, stack_mbps, stack_mbps)
+    return {"uplink_mbps": mbps, "downlink_mbps": mbps, "latency_ms": latency_ms}
 
 
 def planner_dtype(dtype: str) -> str:

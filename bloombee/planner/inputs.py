@@ -236,8 +236,8 @@ class LinkMatrix(_Strict):
 
 
 class CpuShare(_Strict):
-    """A process on a CPU: which machine it runs on, how many of its cores its compute uses, and the CPU one
-    message costs it."""
+    """A process on a CPU: which machine it runs on, how many of its cores its compute uses, and what messages cost
+    it, as that machine measures (`bloombee.host_costs`)."""
 
     host: str = Field(min_length=1, description="machine fingerprint: nodes with the same host share its cores")
     threads: int = Field(ge=1, description="compute threads of this node")
@@ -249,6 +249,10 @@ class CpuShare(_Strict):
     stack_mbps: float = Field(0.0, ge=0, description="rate at which this process and its p2p daemon move a message's "
                                                      "bytes (0: not modelled); while a message streams through the "
                                                      "process, that share of its transfer takes turns with its compute")
+    daemon_share: float = Field(0.0, ge=0, le=1, description="the share of `message_ms` its p2p daemon spends, a "
+                                                             "process of its own beside its compute")
+    interpreter_share: float = Field(0.0, ge=0, le=1, description="the share of the work of moving a message's bytes "
+                                                                  "(`stack_mbps`) done by the process itself")
 
 
 class NodeSpec(_Strict):

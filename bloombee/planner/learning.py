@@ -38,6 +38,15 @@ class Recent:
             return self.prior
         return statistics.median(self.values) if self.statistic == "median" else statistics.fmean(self.values)
 
+    @property
+    def spread(self) -> float:
+        """How far the observations stray from their median, relative to it: the median of |x / median - 1| (0 before
+        any)."""
+        if not self.values:
+            return 0.0
+        middle = statistics.median(self.values)
+        return statistics.median(abs(value / middle - 1) for value in self.values) if middle else 0.0
+
 
 def size_class(amount: float) -> int:
     """The power-of-two range of a size (bytes of a message, rows of a micro-batch): 1, 2-3, 4-7, ... are 1, 2, 3, ..."""

@@ -27,15 +27,10 @@ from dataclasses import dataclass
 from .evaluate import Evaluation, HopResult
 from .inputs import CLIENT, CpuShare, PlanInputs
 
-# Figures fitted on netbench's micro-batching sweeps (benchmarks/README.md, issue 15), until each host measures its own:
-# bytes a hop's TCP keeps in flight while its link is the bottleneck; their acknowledgements cross the receiver's
-# uplink, so a message that node sends delays them (`ack_slowdown`)
+# TCP's window: the bytes a hop keeps in flight while its link is the bottleneck (a protocol figure, Linux's autotuned
+# window on a home link); their acknowledgements cross the receiver's uplink, so a message that node sends delays
+# them (`ack_slowdown`)
 ACK_WINDOW_BYTES = 0.6e6
-# of the CPU a message's bytes take at its ends (`CpuShare.stack_mbps`), the share that takes turns with the process's
-# compute; the rest is its p2p daemon's, a process of its own
-INTERPRETER_SHARE_OF_STACK = 0.5
-# cores of its host that a process's p2p daemon takes while that process handles a message (`CpuShare.message_ms`)
-DAEMON_CORES_PER_MESSAGE = 0.5
 
 
 @dataclass
@@ -133,7 +128,7 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
     """Progress per second of each running task. CPU work (compute, message handling, the stack's share of a
     message streaming through: `streaming`) of one process shares its threads (one interpreter: they take turns),
     and the processes of one host share the cores its other processes leave free (`CpuShare.busy_cores`, at least
-    one) with the p2p daemon of each process handling a message (DAEMON_CORES_PER_MESSAGE); a transfer runs at full
+    one) with the p2p daemon of each process handling a message (`CpuShare.daemon_share`); a transfer runs at full
     speed unless its receiver's uplink is sending (`ack_slowdown`)."""
     transfers = [hops[tasks[mb][k][0]] for mb, k in active if tasks[mb][k][1] == "transfer"]
     sending = {hop.src: hop for hop in transfers}
@@ -147,7 +142,7 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
         per_host[cpus[node].host] = per_host.get(cpus[node].host, 0) + cpus[node].threads
     for (mb, k), node in users.items():
         if node is not None and tasks[mb][k][1] in ("send", "receive"):
-            per_host[cpus[node].host] += DAEMON_CORES_PER_MESSAGE
+            per_host[cpus[node].host] += cpus[node].daemon_share
     rates = {}
     for key, node in users.items():
         if node is None:
@@ -162,14 +157,14 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
 
 def streaming(transfers: list[HopResult], cpus: Mapping[str, CpuShare]) -> dict[str, float]:
     """Node -> the share of its interpreter that the messages streaming through it take: of each running transfer
-    it sends or receives, the stack's share of the transfer's time (its rate over the node's `stack_mbps`) times
-    INTERPRETER_SHARE_OF_STACK."""
+    it sends or receives, the stack's share of the transfer's time (its rate over the node's `stack_mbps`) times the
+    process's share of that work (`interpreter_share`)."""
     load: dict[str, float] = {}
     for hop in transfers:
         for node in (hop.src, hop.dst):
             share = cpus.get(node)
             if share is not None and share.stack_mbps > 0:
-                load[node] = load.get(node, 0.0) + INTERPRETER_SHARE_OF_STACK * min(
+                load[node] = load.get(node, 0.0) + share.interpreter_share * min(
                     1.0, hop.bandwidth_mbps / share.stack_mbps)
     return load
 

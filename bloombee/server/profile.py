@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from bloombee import codec
-from bloombee.host import cpu_share
+from bloombee.host import cpu_share, latency_ms
 from bloombee.loading import load_block_stack, resolve_model
 from bloombee.planner import NodeSpec
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
-from bloombee.server.measure_cache import CACHE_DIR, cached
+from bloombee.measure_cache import CACHE_DIR, cached
 from bloombee.server.memory import CUDA_RESERVED, default_budgets
 
 logger = logging.getLogger(__name__)
@@ -115,10 +115,11 @@ def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: 
 
 
 def planner_node(measured: dict, name: str, link_mbps: float, device: torch.device, memory: tuple[int, int]) -> dict:
-    """A planner node: `measure_profile`'s figures, named, with its link, its (device, host) memory budgets in bytes
-    and, on a CPU, the machine and cores its compute shares with other nodes there."""
+    """A planner node: `measure_profile`'s figures, named, with its link (and the latency its host measured), its
+    (device, host) memory budgets in bytes and, on a CPU, the machine and cores its compute shares with other nodes
+    there and what messages cost it."""
     node = {**measured, "name": name,
-            "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": 0.0},
+            "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": latency_ms()},
             "gpu_memory_gib": memory[0] / GIB, "host_memory_gib": memory[1] / GIB,
             "reserved_gib": CUDA_RESERVED / GIB if device.type == "cuda" else 0.0}
     if device.type == "cpu":

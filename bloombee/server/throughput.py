@@ -11,7 +11,7 @@ import torch
 from bloombee.planner.learning import Recent
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
-from bloombee.server.measure_cache import CACHE_DIR, cached, store
+from bloombee.measure_cache import CACHE_DIR, cached, store
 
 logger = logging.getLogger(__name__)
 
