@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -27,8 +28,9 @@ from bloombee.protocol import AckMessage, Hop, HopReport, StepHeader, StepMessag
 
 logger = logging.getLogger(__name__)
 
-SMALL_BYTES, SMALL_ROUND_TRIPS = 16384, 100  # a decode step's hidden states
-LARGE_BYTES, LARGE_ROUND_TRIPS = 4 << 20, 4  # a prompt's
+SMALL_BYTES, SMALL_ROUND_TRIPS = 16384, 30  # a decode step's hidden states
+LARGE_BYTES, LARGE_ROUND_TRIPS = 1 << 20, 4  # a prompt's
+ROUNDS = 5
 WARMUP_ROUND_TRIPS = 20
 IDLE_WINDOWS, IDLE_WINDOW_S = 5, 0.1
 VERSION = 1  # part of the cache key: figures measured by an older method are measured again
@@ -107,18 +109,29 @@ async def _step_figures(busy: float) -> HostCosts:
                                           stream_output=True)
         daemons = [server._child.pid, client._child.pid]  # noqa: SLF001: hivemind names no public handle for them
         await _round_trips(client, server, SMALL_BYTES, WARMUP_ROUND_TRIPS)
-        small = await _timed(client, server, daemons, SMALL_BYTES, SMALL_ROUND_TRIPS)
-        large = await _timed(client, server, daemons, LARGE_BYTES, LARGE_ROUND_TRIPS)
+        smalls, larges = [], []
+        for _ in range(ROUNDS):
+            smalls.append(await _timed(client, server, daemons, SMALL_BYTES, SMALL_ROUND_TRIPS))
+            larges.append(await _timed(client, server, daemons, LARGE_BYTES, LARGE_ROUND_TRIPS))
     finally:
         await client.shutdown()
         await server.shutdown()
-    wall_s, process_s, daemon_s = small
-    moved_s = large[0] - small[0]  # a large message's time beyond a small one's
-    work_s = (large[1] - small[1]) + (large[2] - small[2])
+    return _figures(smalls, larges, busy)
+
+
+def _figures(smalls: list[tuple[float, ...]], larges: list[tuple[float, ...]], busy: float) -> HostCosts:
+    """The figures from rounds of (wall, process CPU, daemons' CPU) seconds per small and per large message: wall
+    times the median of the rounds (a busy moment spoils one round), CPU times the mean of all (the daemons' CPU
+    is counted in clock ticks, too coarse for one round)."""
+    wall_s = statistics.median(small[0] for small in smalls)
+    moved_s = statistics.median(large[0] - small[0] for small, large in zip(smalls, larges))  # beyond a small one's
+    process_s, daemon_s = (statistics.fmean(small[part] for small in smalls) for part in (1, 2))
+    large_process_s, large_daemon_s = (statistics.fmean(large[part] for large in larges) for part in (1, 2))
+    work_s = (large_process_s - process_s) + (large_daemon_s - daemon_s)
     return HostCosts(message_ms=(process_s + daemon_s) / 2 * 1e3, daemon_share=daemon_s / max(process_s + daemon_s, 1e-9),
                      latency_ms=max(wall_s - process_s - daemon_s, 0.0) * 1e3,
                      stack_mbps=(LARGE_BYTES - SMALL_BYTES) * 8 / max(moved_s, 1e-9) / 1e6,
-                     interpreter_share=min(max((large[1] - small[1]) / max(work_s, 1e-9), 0.0), 1.0),
+                     interpreter_share=min(max((large_process_s - process_s) / max(work_s, 1e-9), 0.0), 1.0),
                      busy_cores=busy)
 
 

@@ -110,8 +110,10 @@ def _transfer_row(hop: HopResult) -> str:
 
 
 def _message(node: str, kind: str, cpus: Mapping[str, CpuShare]) -> list[tuple[str, str, float]]:
+    """The task of handling a message at `node`: the process's own part of its CPU (its daemon's runs beside it)."""
     share = cpus.get(node)
-    return [] if share is None or share.message_ms == 0 else [(f"{node} {kind}", kind, share.message_ms * 1e-3)]
+    seconds = 0.0 if share is None else share.message_ms * (1 - share.daemon_share) * 1e-3
+    return [(f"{node} {kind}", kind, seconds)] if seconds > 0 else []
 
 
 def _start_ready(tasks, done, started, next_on, active, now: float) -> None:
@@ -142,7 +144,7 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
         per_host[cpus[node].host] = per_host.get(cpus[node].host, 0) + cpus[node].threads
     for (mb, k), node in users.items():
         if node is not None and tasks[mb][k][1] in ("send", "receive"):
-            per_host[cpus[node].host] += cpus[node].daemon_share
+            per_host[cpus[node].host] += daemon_cores(cpus[node])
     rates = {}
     for key, node in users.items():
         if node is None:
@@ -153,6 +155,12 @@ def _rates(tasks, active, cpus: Mapping[str, CpuShare], hops: Mapping[str, HopRe
         share = cpus[node]
         rates[key] = min(1.0, max(1.0, share.cores - share.busy_cores) / per_host[share.host]) / per_process[node]
     return rates
+
+
+def daemon_cores(share: CpuShare) -> float:
+    """Cores a process's p2p daemon takes while the process handles a message: its part of the message's CPU over the
+    process's own (the same CPU in all, on more cores)."""
+    return share.daemon_share / max(1 - share.daemon_share, 1e-9)
 
 
 def streaming(transfers: list[HopResult], cpus: Mapping[str, CpuShare]) -> dict[str, float]:
