@@ -100,7 +100,7 @@ def test_auto_does_not_split_through_servers_without_a_profile(caplog):
 
 def test_micro_batches_only_through_servers_that_announce_them():
     def session(settings: ClientSettings, spans: list[Span]) -> tuple[InferenceSession, list[SpanStream]]:
-        session = InferenceSession(None, None, 64, 8, 2048, settings, None, 0.0, lambda *args: 4)
+        session = InferenceSession(None, None, 64, 8, 2048, settings, None, None, lambda *args: 4)
         return session, [SpanStream(s, asyncio.Queue()) for s in spans]
 
     fixed, streams = session(ClientSettings(micro_batches=3), chain(20.0))
@@ -115,11 +115,11 @@ def test_micro_batches_only_through_servers_that_announce_them():
 def test_auto_takes_the_plans_micro_batches_for_the_batch_it_planned():
     planned = [span(0, 3, 20.0, profile((10.0, 30.0, 110.0)), planned=(8, 2)),
                span(3, 6, 20.0, profile((10.0, 30.0, 110.0)), planned=(8, 2))]
-    session = InferenceSession(None, None, 64, 8, 2048, ClientSettings(), None, 0.0, lambda *args: 4)
+    session = InferenceSession(None, None, 64, 8, 2048, ClientSettings(), None, None, lambda *args: 4)
     streams = [SpanStream(s, asyncio.Queue()) for s in planned]
     assert session.micro_batches_for(streams, 1, 9) == 2  # a decode step of the planned batch: the plan's M
     assert session.micro_batches_for(streams, 16, 16) == 4  # a prompt step: the live model
-    other = InferenceSession(None, None, 64, 4, 2048, ClientSettings(), None, 0.0, lambda *args: 3)
+    other = InferenceSession(None, None, 64, 4, 2048, ClientSettings(), None, None, lambda *args: 3)
     assert other.micro_batches_for(streams, 1, 9) == 3  # another batch size: the live model
 
 
@@ -237,7 +237,7 @@ def test_measured_compute_speeds_scale_each_servers_cost_table():
 def test_compute_speeds_are_measured_per_micro_batch_size():
     """A server 2x slower than its table at whole steps of 32 rows and as fast as it at micro-batches of 4 rows: each
     size is charged what was measured at the nearest size."""
-    from bloombee.client.micro_batching import ComputeSpeeds
+    from bloombee.client.figures import ComputeSpeeds
 
     speeds = ComputeSpeeds()
     assert speeds.factor("s", 32) == 1.0  # nothing measured yet: the table stands
@@ -338,13 +338,14 @@ def test_codec_figures_are_what_the_sessions_messages_measured():
     """The client's embeddings compress 2x where the profile says 1.1x, and a server's encodes and decodes run at
     their own speeds: the chain's inputs carry those figures at the size measured (the nearest size standing in for
     others), the profile's before any compressed message, and raw messages teach nothing."""
-    from bloombee.client.micro_batching import CodecFigures
-    from bloombee.codec import call_costs
+    from bloombee.client.figures import ChainFigures
+    from bloombee.codec import CompressionPolicy, call_costs
     ENCODE_CALL_S, DECODE_CALL_S = call_costs().encode_s, call_costs().decode_s
     from bloombee.planner.inputs import CLIENT
 
     choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="on")
     spans = chain(20.0)
+    peers = [s.peer_id for s in spans]
     announced = choose.chain_inputs(spans, 32, 32, 32)
     assert announced.client.compression.ratio == announced.nodes[0].compression.ratio == 1.1
     raw_bytes = 32 * CONFIG.hidden_size * 4
@@ -352,12 +353,16 @@ def test_codec_figures_are_what_the_sessions_messages_measured():
                             encode_s=ENCODE_CALL_S + raw_bytes / 100e6, decode_cpu_s=DECODE_CALL_S + raw_bytes / 50e6)
                   for _ in spans]
     raw = [HopReport(raw_bytes=raw_bytes, wire_bytes=raw_bytes) for _ in spans]
-    choose.observe(spans, 32, 1, 32, StepStats(client_layout="raw", sent_raw_bytes=raw_bytes, sent_wire_bytes=raw_bytes,
-                                               reports=raw, micro_batch_reports=[raw]))
+    choose.figures.observe_step(peers, StepStats(
+        client_layout="raw", sent_raw_bytes=raw_bytes, sent_wire_bytes=raw_bytes, reports=raw,
+        micro_batch_reports=[raw], sent={0: ("raw", raw_bytes)}, received_decode_cpu_s=[0.0]))
     assert choose.chain_inputs(spans, 32, 32, 32) == announced
-    choose.observe(spans, 32, 1, 32, StepStats(
-        client_layout="bytesplit", sent_raw_bytes=raw_bytes, sent_wire_bytes=raw_bytes // 2,
-        client_encode_s=ENCODE_CALL_S + raw_bytes / 200e6, reports=compressed, micro_batch_reports=[compressed]))
+    # the client's encode, learnt as its policy for the link to the first server makes it
+    CompressionPolicy("on", figures=choose.figures.link(peers[0])).observe_encode(
+        raw_bytes, raw_bytes // 2, ENCODE_CALL_S + raw_bytes / 200e6)
+    choose.figures.observe_step(peers, StepStats(
+        client_layout="bytesplit", sent_raw_bytes=raw_bytes, sent_wire_bytes=raw_bytes // 2, reports=compressed,
+        micro_batch_reports=[compressed], sent={0: ("bytesplit", raw_bytes)}, received_decode_cpu_s=[0.0]))
     for rows in (32, 8):  # measured at 32 rows; 8 rows have no figures of their own yet
         inputs = choose.chain_inputs(spans, 32, 32, rows)
         assert (inputs.client.compression.ratio, inputs.client.compression.compress_mb_per_s) == \
@@ -367,4 +372,4 @@ def test_codec_figures_are_what_the_sessions_messages_measured():
         assert (first.ratio, first.compress_mb_per_s) == pytest.approx((1.25, 100.0), rel=1e-3)
         assert second.decompress_mb_per_s == pytest.approx(50.0)  # it decoded the first server's messages
         assert first.decompress_mb_per_s == pytest.approx(50.0)  # ... and the first decoded the client's
-    assert CodecFigures().measured(CLIENT, None, 32) is None
+    assert ChainFigures(1.0).codec(CLIENT, None, 32) is None

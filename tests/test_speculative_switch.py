@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bloombee.client.figures import chain_bandwidths
 from bloombee.planner.rules import speculation_break_even as break_even_bandwidth
 from bloombee.speculative.switch import (
     HOPELESS_WAIT,
@@ -12,7 +13,6 @@ from bloombee.speculative.switch import (
     TREE_PROBES,
     WINDOW,
     SpeculationSwitch,
-    chain_bandwidths,
     hop_weighted_bytes,
     shrunk,
 )

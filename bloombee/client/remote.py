@@ -7,6 +7,7 @@ import threading
 import hivemind
 import torch
 
+from bloombee.client.figures import ChainFigures
 from bloombee.client.loop import run_sync
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager
@@ -28,7 +29,9 @@ class RemoteSequential:
         self.dht, self.settings, self.hidden_size = dht, settings, config.hidden_size
         self.manager = SequenceManager(dht, prefix, config.num_hidden_layers, config.hidden_size, settings, model_name,
                                        allowed_servers, blocked_servers)
-        self.choose_micro_batches = MicroBatchChooser(config, settings.link_bandwidth_mbps, settings.compression)
+        self.figures = ChainFigures(self.link_bandwidth)  # what the chain's machines measured, read by every controller
+        self.choose_micro_batches = MicroBatchChooser(config, settings.link_bandwidth_mbps, settings.compression,
+                                                      self.figures)
         self.p2p = run_sync(dht.replicate_p2p())
         self._policies: dict[str, CompressionPolicy] = {}
         self._policies_lock = threading.Lock()
@@ -38,18 +41,20 @@ class RemoteSequential:
         return self.settings.link_bandwidth_mbps * 1e6 / 8
 
     def policy_for(self, peer_id: str, record) -> CompressionPolicy:
-        """The compression policy of the link to one server (shared by the sessions of this client)."""
+        """The compression policy of the link to one server (shared by the sessions of this client), deciding with the
+        client's view of the chain's figures."""
         with self._policies_lock:
             if peer_id not in self._policies:
                 bandwidth = min(self.link_bandwidth, record.link_bandwidth)
                 self._policies[peer_id] = CompressionPolicy(self.settings.compression, link_bandwidth=bandwidth,
-                                                            accepted=record.codecs or ("raw",))
+                                                            accepted=record.codecs or ("raw",),
+                                                            figures=self.figures.link(peer_id))
             return self._policies[peer_id]
 
     def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
         """Open a session along the best chain; close it (or use it as a context manager) when done."""
         session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings,
-                                   self.policy_for, self.link_bandwidth, self.choose_micro_batches)
+                                   self.policy_for, self.figures, self.choose_micro_batches)
         return session.open()
 
     def server_info(self, peer_id: str) -> dict | None:

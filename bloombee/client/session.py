@@ -10,16 +10,16 @@ import torch
 from hivemind.p2p import P2P
 
 from bloombee.client.deadlines import StepClock
+from bloombee.client.figures import ChainFigures
 from bloombee.client.loop import run_sync
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
 from bloombee.client.steps import StepShape, StepStats, join_trees, joined, record_shape, shapes_before, split_rows
 from bloombee.client.verification import Untrusted, Verifier
-from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy, call_costs
-from bloombee.codec.policy import ByteCost
+from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
 from bloombee.dht.records import ServerRecord
-from bloombee.planner.learning import size_class
+from bloombee.planner.inputs import CLIENT
 from bloombee.protocol import (
     AckMessage,
     Compaction,
@@ -63,11 +63,11 @@ class InferenceSession:
     """
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
-                 settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], link_bandwidth: float,
+                 settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], figures: ChainFigures,
                  choose_micro_batches: MicroBatchChooser):
         self.manager, self.p2p, self.settings = manager, p2p, settings
         self.choose_micro_batches = choose_micro_batches
-        self.policy_for, self.link_bandwidth = policy_for, link_bandwidth
+        self.policy_for, self.figures = policy_for, figures  # the client's view of the chain's measured figures
         self.max_length, self.batch_size = max_length, batch_size
         self.position = 0
         self.streams: list[SpanStream] = []
@@ -79,7 +79,6 @@ class InferenceSession:
         self.clock = StepClock(settings, hidden_size)
         self.last_step: StepStats | None = None
         self._step_id = 0
-        self._own_decode: dict[int, ByteCost] = {}  # size class -> how fast this client decodes replies of that size
         self._events: asyncio.Queue | None = None
         self._closed = False
         self.verifier = Verifier(manager, p2p, settings, policy_for)
@@ -147,7 +146,7 @@ class InferenceSession:
         for span in spans:
             stream = SpanStream(span, self._events)
             try:
-                await stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.link_bandwidth,
+                await stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.figures.link_bandwidth,
                                   self.settings.open_timeout, self.settings.compression)
             except Exception as error:  # refused, unreachable or timed out: the caller decides
                 return opened, (stream, error)
@@ -331,7 +330,7 @@ class InferenceSession:
         self.last_step = stats
         if reply:
             self.clock.observe(self.batch_size, num_tokens, stats.total_s)
-            self._learn_decode_speeds(chain, stats)
+            self.figures.observe_step([stream.span.peer_id for stream in chain], stats)
         return outputs
 
     async def _send_step(self, chain: list[SpanStream], step_id: int, start: int,
@@ -342,12 +341,12 @@ class InferenceSession:
         message_bytes = max(tensor.nbytes for tensor in parts[0][1].values())  # the hidden states every server sends on
         route = tuple(Hop(peer_id=stream.span.peer_id, session_id=stream.session_id, codecs=stream.span.record.codecs,
                           link_bandwidth=stream.span.record.link_bandwidth,
-                          decode_speed=self._policy(stream).measured_decompress_speed(message_bytes))
+                          decode_speed=self.figures.decode_speed(stream.span.peer_id, message_bytes))
                       for stream in chain[1:])
         if reply and self._compaction is not None:
             header["compact_start"] = self._compaction[0]
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
-                            reply_decode_speed=self._own_decode_speed(message_bytes), **header)
+                            reply_decode_speed=self.figures.decode_speed(CLIENT, message_bytes), **header)
         loop = asyncio.get_running_loop()
         for offset, tensors in parts:
             if header.compact_start is not None:
@@ -383,34 +382,14 @@ class InferenceSession:
                                                       self.micro_batches_for(self.streams, num_tokens, context))
 
     def _learn_chain_figures(self, num_tokens: int, context: int) -> None:
-        """Each server's report of the last step times its compute and its codec: feed that to the planner's model of
-        the chain."""
+        """Each server's report of the last step times its compute: feed that to the planner's model of the chain (its
+        codec's figures reach the client's view at every step: `ChainFigures.observe_step`)."""
         reports = self.last_step.reports
         if len(reports) == len(self.streams) and all(stream.span.record.profile for stream in self.streams):
             self.choose_micro_batches.observe(self.spans, self.batch_size, num_tokens, context, self.last_step)
 
     def _policy(self, stream: SpanStream) -> CompressionPolicy:
         return self.policy_for(stream.span.peer_id, stream.span.record)
-
-    def _learn_decode_speeds(self, chain: list[SpanStream], stats: StepStats) -> None:
-        """Each server's report times (in CPU seconds) its decode of what the hop before it sent, micro-batch by
-        micro-batch: feed the compressed ones to the senders' policies, and this client's own decodes to its speed."""
-        for reports, client_cpu_s in zip(stats.micro_batch_reports, stats.received_decode_cpu_s):
-            if len(reports) != len(chain) or reports[0].batch_offset not in stats.sent:
-                continue
-            sent = [stats.sent[reports[0].batch_offset]] + [(report.layout, report.raw_bytes) for report in reports]
-            for stream, report, (layout, raw_bytes) in zip(chain, reports, sent):
-                if layout != "raw" and report.decode_cpu_s > 0:
-                    self._policy(stream).observe_decode(raw_bytes, report.decode_cpu_s)
-            layout, raw_bytes = sent[-1]
-            if layout != "raw" and client_cpu_s > 0:
-                self._own_decode.setdefault(size_class(raw_bytes), ByteCost(call_costs().decode_s, None)).observe(
-                    raw_bytes, client_cpu_s)
-
-    def _own_decode_speed(self, num_bytes: int) -> float | None:
-        """How fast this client decodes replies of `num_bytes` (None before it has decoded a compressed one)."""
-        cost = self._own_decode.get(size_class(num_bytes))
-        return None if cost is None else cost.speed
 
     async def _await(self, chain: list[SpanStream], step_id: int, want: MessageKind, expected: float,
                      stats: StepStats | None = None, offsets: Sequence[int] = (0,),

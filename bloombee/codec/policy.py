@@ -9,10 +9,13 @@ The calls' own time matters for small messages (a 16 KiB decode step's frame), a
 per byte differs between message sizes, so ``CompressionPolicy`` keeps its figures per size class of
 message (powers of two): for each, the medians of recent ``r``, ``1/C`` and ``1/D`` (`ByteCost`) from
 the encodes it makes and the decodes its receiver reports (the receiver's own speed of that class
-travels back in each step's route). It takes ``B`` from the caller (the link speed the DHT records
-announce, the figure the planner models the hop with) and applies the rule per message. Use one
-policy per link. While it keeps choosing raw for a class it still compresses one message of it in
-``probe_every`` so that its estimates follow the traffic.
+travels back in each step's route). They are kept in `LinkFigures`: the policy's own on a server; on
+a client the view of the chain's figures (`bloombee.client.figures.ChainFigures`), which learns them
+once, from the client's encodes and its steps' hop reports, for every controller of the client. It
+takes ``B`` from the caller (the link speed the DHT records announce, the figure the planner models
+the hop with) and applies the rule per message. Use one policy per link. While it keeps choosing raw
+for a class it still compresses one message of it in ``probe_every`` so that its estimates follow the
+traffic.
 
 Speeds are CPU time of the thread that encodes or decodes: wall time on a busy machine also counts
 the waits for the interpreter lock and for a core, which would make compression look many times
@@ -60,10 +63,10 @@ class Decision:
 class ByteCost:
     """Seconds per raw byte that one side of the codec takes beyond each call's own time (`call_s`): the median of
     its last SPEED_WINDOW observations, so that one cold first call (10x a warm one here) or one descheduled
-    mid-way does not move it; the prior (a speed, or None) until the first."""
+    mid-way does not move it."""
 
-    def __init__(self, call_s: float, prior_speed: float | None):
-        self.call_s, self.prior_speed = call_s, prior_speed
+    def __init__(self, call_s: float):
+        self.call_s = call_s
         self._per_byte = Recent(SPEED_WINDOW)
 
     @property
@@ -79,26 +82,71 @@ class ByteCost:
 
     @property
     def speed(self) -> float | None:
-        """Raw bytes per second of the bytes alone (the prior before any observation)."""
+        """Raw bytes per second of the bytes alone (None before any observation)."""
         per_byte = self._per_byte.value
-        return self.prior_speed if per_byte is None else 1.0 / per_byte
+        return None if per_byte is None else 1.0 / per_byte
 
 
 class SizeEstimates:
-    """What a policy has learnt about the messages of one size class: ratio, encode and decode speeds, and how many
-    of them in a row it has sent raw."""
+    """What one machine's codec (or one link's) did with the messages of one size class: the ratio its encodes
+    reached, their speed, and the speed of its decodes."""
 
-    def __init__(self, prior_ratio: float | None, prior_compress_speed: float | None,
-                 prior_decompress_speed: float | None):
-        self.ratio = Recent(SPEED_WINDOW, prior_ratio)
+    def __init__(self):
+        self.ratio = Recent(SPEED_WINDOW)
         calls = call_costs()
-        self.encode = ByteCost(calls.encode_s, prior_compress_speed)
-        self.decode = ByteCost(calls.decode_s, prior_decompress_speed)
-        self.raw_streak = 0
+        self.encode = ByteCost(calls.encode_s)
+        self.decode = ByteCost(calls.decode_s)
 
-    def report(self) -> dict:
-        return {"ratio": self.ratio.value, "compress_speed": self.encode.speed, "decompress_speed": self.decode.speed,
-                "observations": {"encode": self.ratio.count, "decode": self.decode.count}}
+    def observe_encode(self, raw_bytes: int, encoded_bytes: float, seconds: float) -> None:
+        self.ratio.update(raw_bytes / encoded_bytes)
+        self.encode.observe(raw_bytes, seconds)
+
+
+def kept(classes: dict[int, SizeEstimates], num_bytes: int) -> SizeEstimates:
+    """The estimates of the size class of `num_bytes` in `classes`, added if new."""
+    key = size_class(num_bytes)
+    if key not in classes:
+        classes[key] = SizeEstimates()
+    return classes[key]
+
+
+class LinkFigures:
+    """The figures a link's policy decides with, per size class of message: the sending machine's ratio and encode
+    speed, the receiving machine's decode speed. A policy's own by default; on a client, the view of the chain's
+    figures that its other controllers read too (`bloombee.client.figures`)."""
+
+    def __init__(self, sender: dict[int, SizeEstimates] | None = None,
+                 receiver: dict[int, SizeEstimates] | None = None, lock: threading.Lock | None = None):
+        self.sender = {} if sender is None else sender
+        self.receiver = self.sender if receiver is None else receiver
+        self.lock = lock or threading.Lock()
+
+    def figures(self, num_bytes: int) -> tuple[float | None, float | None, float | None]:
+        """(ratio, encode speed, decode speed) measured for messages of `num_bytes` raw bytes, None where not yet."""
+        key = size_class(num_bytes)
+        with self.lock:
+            sent, received = self.sender.get(key), self.receiver.get(key)
+            ratio, encode_speed = (None, None) if sent is None else (sent.ratio.value, sent.encode.speed)
+            return ratio, encode_speed, None if received is None else received.decode.speed
+
+    def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
+        with self.lock:
+            kept(self.sender, raw_bytes).observe_encode(raw_bytes, encoded_bytes, seconds)
+
+    def observe_decode(self, raw_bytes: int, seconds: float) -> None:
+        with self.lock:
+            kept(self.receiver, raw_bytes).decode.observe(raw_bytes, seconds)
+
+    def adopt_decode(self, speed: float, num_bytes: int) -> None:
+        with self.lock:
+            kept(self.receiver, num_bytes).decode.adopt(speed)
+
+    def counts(self) -> dict[int, dict[str, int]]:
+        """Observations so far per size class: of the sender's encodes and of the receiver's decodes."""
+        with self.lock:
+            return {key: {"encode": self.sender[key].ratio.count if key in self.sender else 0,
+                          "decode": self.receiver[key].decode.count if key in self.receiver else 0}
+                    for key in set(self.sender) | set(self.receiver)}
 
 
 class CompressionPolicy:
@@ -106,7 +154,8 @@ class CompressionPolicy:
 
     ``mode``: "auto" applies the break-even rule, "on" always compresses (tiny messages aside),
     "off" never does. ``layout`` is what a compressing decision returns (passed to ``encode``);
-    ``accepted`` is the set of layouts the peer on this link decodes.
+    ``accepted`` is the set of layouts the peer on this link decodes; ``figures`` where its estimates come from and
+    go (its own by default).
     """
 
     def __init__(
@@ -122,6 +171,7 @@ class CompressionPolicy:
         prior_decompress_speed: float | None = None,
         min_bytes: int = MIN_COMPRESS_BYTES,
         probe_every: int = 32,
+        figures: LinkFigures | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"CompressionPolicy mode must be one of {', '.join(MODES)}, not {mode!r}.")
@@ -137,34 +187,22 @@ class CompressionPolicy:
         calls = call_costs()  # this machine's figures on a sample stand until messages measure their own
         self._priors = (prior_ratio or calls.ratio, prior_compress_speed or calls.compress_speed,
                         prior_decompress_speed or calls.decompress_speed)
-        self._sizes: dict[int, SizeEstimates] = {}
+        self._figures = figures or LinkFigures()
+        self._raw_streaks: dict[int, int] = {}  # size class -> messages of it sent raw in a row
         self._bandwidth = link_bandwidth
         self._counts = {"raw": 0, "compressed": 0, "probes": 0}
         self._last: Decision | None = None
 
     # ------------------------------------------------------------------ estimates
-    def _estimates(self, num_bytes: int) -> SizeEstimates:
-        """The size class of `num_bytes`, kept from now on (for reads: `_known`)."""
-        key = size_class(num_bytes)
-        if key not in self._sizes:
-            self._sizes[key] = SizeEstimates(*self._priors)
-        return self._sizes[key]
-
-    def _known(self, num_bytes: int) -> SizeEstimates:
-        """The size class of `num_bytes` as learnt so far (the priors for one not yet met), without keeping it."""
-        return self._sizes.get(size_class(num_bytes)) or SizeEstimates(*self._priors)
-
     def figures(self, num_bytes: int) -> tuple[float, float, float]:
-        """(ratio, encode speed, decode speed) the policy has for messages of `num_bytes` raw bytes."""
-        with self._lock:
-            estimates = self._known(num_bytes)
-            return estimates.ratio.value, estimates.encode.speed, estimates.decode.speed
+        """(ratio, encode speed, decode speed) the policy has for messages of `num_bytes` raw bytes (the priors where
+        nothing is measured yet)."""
+        measured = self._figures.figures(num_bytes)
+        return tuple(prior if value is None else value for value, prior in zip(measured, self._priors))
 
     def measured_decompress_speed(self, num_bytes: int) -> float | None:
         """The receiver's decode speed of messages of `num_bytes` once one has been observed or adopted, else None."""
-        with self._lock:
-            decode = self._known(num_bytes).decode
-            return decode.speed if decode.count else None
+        return self._figures.figures(num_bytes)[2]
 
     @property
     def bandwidth(self) -> float | None:
@@ -188,8 +226,9 @@ class CompressionPolicy:
 
     def _decide(self, num_bytes: int) -> Decision:
         bw = self.bandwidth
-        estimates = self._estimates(num_bytes)
-        r, c, dspeed = estimates.ratio.value, estimates.encode.speed, estimates.decode.speed
+        key = size_class(num_bytes)
+        self._raw_streaks.setdefault(key, 0)
+        r, c, dspeed = self.figures(num_bytes)
         b_star = codec_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
         def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
@@ -216,11 +255,11 @@ class CompressionPolicy:
         if bw is None:
             return decision(True, f"compress: link bandwidth unknown, assuming a slow link ({figures})")
         if bw < b_star:
-            estimates.raw_streak = 0
+            self._raw_streaks[key] = 0
             return decision(True, f"compress: link {_rate(bw)} < break-even ({figures})")
-        estimates.raw_streak += 1
-        if self.probe_every and estimates.raw_streak >= self.probe_every:
-            estimates.raw_streak = 0
+        self._raw_streaks[key] += 1
+        if self.probe_every and self._raw_streaks[key] >= self.probe_every:
+            self._raw_streaks[key] = 0
             return decision(True, f"compress (probe to refresh estimates): link {_rate(bw)} >= break-even ({figures})", True)
         return decision(False, f"raw: link {_rate(bw)} >= break-even ({figures})")
 
@@ -229,25 +268,20 @@ class CompressionPolicy:
         """Record one encode the policy asked to compress: sizes and CPU seconds (the call's own time is taken off)."""
         if raw_bytes <= 0 or encoded_bytes <= 0 or seconds < 0:
             return
-        with self._lock:
-            estimates = self._estimates(raw_bytes)
-            estimates.ratio.update(raw_bytes / encoded_bytes)
-            estimates.encode.observe(raw_bytes, seconds)
+        self._figures.observe_encode(raw_bytes, encoded_bytes, seconds)
 
     def observe_decode(self, raw_bytes: int, seconds: float) -> None:
         """Record one decode of a compressed frame: decoded size and CPU seconds (the call's own time is taken off)."""
         if raw_bytes <= 0 or seconds < 0:
             return
-        with self._lock:
-            self._estimates(raw_bytes).decode.observe(raw_bytes, seconds)
+        self._figures.observe_decode(raw_bytes, seconds)
 
     def adopt_decompress_speed(self, speed: float, num_bytes: int) -> None:
         """Take the receiver's own measured decode speed (raw bytes/s) of messages of `num_bytes` in place of this
         policy's estimate."""
         if speed <= 0:
             raise ValueError("decompress speed must be a positive number of bytes per second.")
-        with self._lock:
-            self._estimates(num_bytes).decode.adopt(speed)
+        self._figures.adopt_decode(speed, num_bytes)
 
     # ------------------------------------------------------------------ conveniences
     def encode(self, tensor: torch.Tensor, link_bandwidth: float | None = None) -> bytes:
@@ -261,16 +295,23 @@ class CompressionPolicy:
         return data
 
     def report(self) -> dict:
-        """What the policy chose last and why, with its current estimates and counts."""
+        """What the policy chose last and why, with its current estimates (of each size class it has met) and counts."""
+        observations = self._figures.counts()
         with self._lock:
+            met = set(self._raw_streaks) | set(observations)
             return {
                 "mode": self.mode,
                 "layout": self.layout,
                 "last": asdict(self._last) if self._last else None,
                 "bandwidth": self.bandwidth,
-                "estimates": {f"< {_size(1 << key)}": self._sizes[key].report() for key in sorted(self._sizes)},
+                "estimates": {f"< {_size(1 << key)}": self._report(key, observations) for key in sorted(met)},
                 "counts": dict(self._counts),
             }
+
+    def _report(self, key: int, observations: dict[int, dict[str, int]]) -> dict:
+        ratio, compress_speed, decompress_speed = self.figures(1 << (key - 1))
+        return {"ratio": ratio, "compress_speed": compress_speed, "decompress_speed": decompress_speed,
+                "observations": observations.get(key, {"encode": 0, "decode": 0})}
 
 
 def _size(num_bytes: int) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bloombee.speculative.draft import DraftModel, tree_size
-from bloombee.speculative.switch import SpeculationSwitch, chain_bandwidths
+from bloombee.speculative.switch import SpeculationSwitch
 from bloombee.speculative.tree import PackedTrees, TokenTree, unpack_rows
 from bloombee.speculative.verify import verify_greedy, verify_sampling, warp_probs
 
@@ -95,8 +95,7 @@ class SpeculativeGenerator:
             self._mark_done(done, [False] * batch, began)
             draft_in_step = False
             while not all(done):
-                self.switch.bandwidths = chain_bandwidths(session.link_bandwidth,
-                                                          [span.record.link_bandwidth for span in session.spans])
+                self.switch.bandwidths = session.figures.hop_bandwidths(session.spans)  # the client's view of the chain
                 roots = torch.tensor([row[-1] for row in generated])
                 if self.switch.speculate() and session.supports_tree_steps() and self._worth_trying(session):
                     if not draft_in_step:

@@ -51,12 +51,6 @@ def hop_weighted_bytes(step, bandwidths: list[float]) -> float:
     return slowest_link_bytes([step.sent_wire_bytes] + [report.wire_bytes for report in step.reports], bandwidths)
 
 
-def chain_bandwidths(client: float, servers: list[float]) -> list[float]:
-    """Each hop's bandwidth (bytes/s): client to the first server, server to server, last server to the client."""
-    ends = [client] + servers + [client]
-    return [min(sender, receiver) for sender, receiver in zip(ends[:-1], ends[1:])]
-
-
 def recent(window: int = WINDOW) -> Recent:
     """The mean of the last `window` values, 0 before any (steadier than a fast running average on noisy round
     times)."""
@@ -82,7 +76,7 @@ class SpeculationSwitch:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"speculation mode must be auto, on or off, got {mode!r}")
         self.mode, self.recheck_rounds = mode, recheck_rounds
-        self.bandwidths = bandwidths  # of each hop, bytes/s; set when the session's chain is known
+        self.bandwidths = bandwidths  # of each hop, bytes/s: the client's view of the session's chain (`ChainFigures`)
         self.level, self.plain, self.tree = 0, Measured(), Measured()
         self.off, self.rounds_since_check, self.recheck_in = False, 0, recheck_rounds
         self.configured_accepted = recent(ACCEPTANCE_WINDOW)  # the configured tree's, kept across rechecks
