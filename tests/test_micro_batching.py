@@ -315,7 +315,7 @@ def test_more_micro_batches_only_where_the_model_has_them_clearly_faster():
 
     def chooser(times: dict[int, float], measured: list[float]) -> MicroBatchChooser:
         choose = MicroBatchChooser(CONFIG, link_mbps=20.0, compression="off")
-        choose.step_seconds = lambda spans, batch, tokens, context, micro_batches: times[micro_batches]
+        choose.step_seconds = lambda spans, batch, tokens, context, micro_batches, factor=None: times[micro_batches]
         choose.chain_inputs = lambda *args, **kwargs: None  # no compute speeds to learn here
         for seconds in measured:  # steps of one micro-batch predicted at times[1]
             choose(spans, 32, 16, 32)
@@ -373,3 +373,22 @@ def test_codec_figures_are_what_the_sessions_messages_measured():
         assert second.decompress_mb_per_s == pytest.approx(50.0)  # it decoded the first server's messages
         assert first.decompress_mb_per_s == pytest.approx(50.0)  # ... and the first decoded the client's
     assert ChainFigures(1.0).codec(CLIENT, None, 32) is None
+
+
+def test_the_chains_steps_teach_what_its_messages_cost(monkeypatch):
+    """Steps measured as slow as the model has them with 3x the hosts' message CPU, and no server computing slower:
+    the chain's message factor becomes 3 and the model then predicts those steps."""
+    import bloombee.client.micro_batching as micro_batching
+
+    monkeypatch.setattr(micro_batching, "client_cpu_share",
+                        lambda: {"host": "c", "threads": 1, "cores": 2, "message_ms": 1.0})
+    spans = [Span(s.peer_id, s.start, s.end, s.record.model_copy(update={"profile": s.record.profile.model_copy(
+        update={"cpu": CpuShare(host=f"h{s.start}", threads=1, cores=2, message_ms=1.0)})})) for s in chain(1e5)]
+    choose = MicroBatchChooser(CONFIG, link_mbps=1e5, compression="off")
+    micro_batches = choose(spans, 32, 1, 32)
+    measured = choose.step_seconds(spans, 32, 1, 32, micro_batches, message_factor=3.0)
+    assert measured > choose.step_seconds(spans, 32, 1, 32, micro_batches)
+    for _ in range(3):
+        choose.observe(spans, 32, 1, 32, StepStats(micro_batches=choose(spans, 32, 1, 32), total_s=measured))
+    assert choose.figures.messages.factor == pytest.approx(3.0, rel=0.05)
+    assert choose.step_seconds(spans, 32, 1, 32, micro_batches) == pytest.approx(measured, rel=0.02)

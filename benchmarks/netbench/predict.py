@@ -41,9 +41,13 @@ def step_prediction(record: dict, step: dict, context: int, figures) -> dict[str
     assignment = [span["end"] - span["start"] for span in record["chain"]]
     rows, micro_batches = step["batch"] * step["tokens"], step.get("micro_batches", 1)
     size = micro_batch_size(rows, micro_batches)
+    used = figures.messages.factor
     times = predicted_times(_inputs(record, step, context, figures, size), assignment, rows, micro_batches)
     reports = step.get("reports") or []
     if len(reports) == len(assignment):
+        raised = predicted_times(_inputs(record, step, context, figures, size, used + 1), assignment, rows,
+                                 micro_batches)
+        figures.messages.observe(used, times["simulated_s"], raised["simulated_s"], step["chain_s"])
         inputs = _inputs(record, step, context)
         peers = [span["name"] for span in record["chain"]]
         sent = (step["client_layout"], step["sent_raw_bytes"] / micro_batches)  # each micro-batch's, on average
@@ -61,10 +65,11 @@ def step_prediction(record: dict, step: dict, context: int, figures) -> dict[str
     return times
 
 
-def _inputs(record: dict, step: dict, context: int, figures=None, micro_batch_rows: int = 0):
+def _inputs(record: dict, step: dict, context: int, figures=None, micro_batch_rows: int = 0,
+            message_factor: float | None = None):
     """The planner's inputs of the record's chain for `step`; with `figures` (`ChainFigures`), its cost tables scaled
-    by the measured compute speeds and its codecs' figures replaced by the measured ones at micro-batches of
-    `micro_batch_rows` rows."""
+    by the measured compute speeds, its codecs' figures replaced by the measured ones at micro-batches of
+    `micro_batch_rows` rows and its messages' CPU by the measured factor (or `message_factor`)."""
     from bloombee.planner.chain import activation_bytes, chain_inputs
 
     chain = record["chain"]
@@ -73,14 +78,16 @@ def _inputs(record: dict, step: dict, context: int, figures=None, micro_batch_ro
     hops = [rate or UNSHAPED_MBPS for rate in record["hop_rates_mbps"]]
     tokens = step["tokens"]
     model = _model_section(record["model_path"])
-    client_codec = nodes[0].get("compression")
+    client_codec, factor = nodes[0].get("compression"), 1.0
     if figures is not None:
+        factor = figures.messages.factor if message_factor is None else message_factor
         nodes, client_codec = figures.measured_nodes(nodes, [span["name"] for span in chain], micro_batch_rows,
                                                      activation_bytes(model["hidden_size"], chain[0]["dtype"]))
     return chain_inputs(model, nodes, hops,
                         [span["end"] - span["start"] for span in chain], step["batch"] * tokens,
                         -(-context // tokens), chain[0]["dtype"], record["client_settings"].get("compression", "auto"),
-                        hop_mbps=hops, client_cpu=record["client_cpu"], client_codec=client_codec)
+                        hop_mbps=hops, client_cpu=record["client_cpu"], client_codec=client_codec,
+                        message_factor=factor)
 
 
 def predictions(record: dict) -> dict[str, Any]:

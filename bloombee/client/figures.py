@@ -2,9 +2,10 @@
 
 Each machine's codec (the client's, each server's) per size class of message (raw bytes): the ratio
 its encodes reach, their speed and the speed of its decodes; each server's compute speed against its
-announced cost table (`ComputeSpeeds`); and the bandwidth of each hop of a chain. The client's
-compression policies decide with the codec figures (`ChainFigures.link`), the micro-batch chooser
-models the chain with them and the compute speeds, and the speculation switch weighs its rounds'
+announced cost table (`ComputeSpeeds`); the CPU a message takes on the serving path (`MessageCosts`);
+and the bandwidth of each hop of a chain. The client's compression policies decide with the codec
+figures (`ChainFigures.link`), the micro-batch chooser models the chain with them, the compute speeds
+and the message costs, and the speculation switch weighs its rounds'
 bytes with the hop bandwidths. The client's encodes are learnt as its policies make them; everything
 else from the hop reports of the steps its sessions run (`observe_step`).
 """
@@ -22,6 +23,7 @@ from bloombee.planner.inputs import CLIENT
 from bloombee.planner.learning import Recent, nearest_class, size_class
 
 COMPUTE_WINDOW = 5  # steps whose mean is each server's measured compute speed
+MESSAGE_WINDOW = 9  # steps whose median is the chain's measured message factor
 
 
 class ChainFigures:
@@ -30,6 +32,7 @@ class ChainFigures:
     def __init__(self, link_bandwidth: float):
         self.link_bandwidth = link_bandwidth  # this client's, bytes/s
         self.speeds = ComputeSpeeds()
+        self.messages = MessageCosts()
         self._lock = threading.Lock()
         self._codecs: dict[str, dict[int, SizeEstimates]] = {}  # machine -> size class -> what its codec did
 
@@ -96,6 +99,27 @@ class ChainFigures:
         return self._codecs.setdefault(machine, {})
 
 
+class MessageCosts:
+    """How much CPU a message takes on the serving path against what the hosts measured (`bloombee.host_costs`
+    passes bare steps between two daemons; a session's messages also cross the queues, threads and event loops of
+    busy processes, which only its steps measure): the factor on every process's `message_ms` that makes the model's
+    step time the measured one, the median over recent steps (1 before any)."""
+
+    def __init__(self):
+        self._factor = Recent(MESSAGE_WINDOW, 1.0)
+
+    @property
+    def factor(self) -> float:
+        return self._factor.value
+
+    def observe(self, used: float, predicted_s: float, raised_s: float, measured_s: float) -> None:
+        """One step: the model's time with message factor `used` and with `used + 1`, and the measured time (the
+        model's time grows about linearly with the factor)."""
+        per_factor = raised_s - predicted_s
+        if per_factor > 0 and measured_s > 0:
+            self._factor.update(max(used + (measured_s - predicted_s) / per_factor, 0.0))
+
+
 class ComputeSpeeds:
     """Each server's compute speed against its announced cost table, as its steps measure it, per size class of
     micro-batch (rows): the mean of its recent steps' reported compute over the planner's of that server in the
@@ -114,9 +138,8 @@ class ComputeSpeeds:
         return self._factors[(name, nearest_class(ranges, rows))].value if ranges else 1.0
 
     def scaled(self, nodes: list[dict], rows: int) -> list[dict]:
-        """The planner node dicts with each cost table, and on a CPU the cost of a message, scaled by its node's
-        factor at micro-batches of `rows` rows (a busier or slower machine computes and handles messages slower
-        alike)."""
+        """The planner node dicts with each cost table scaled by its node's factor at micro-batches of `rows`
+        rows."""
         return [scaled_cost(node, self.factor(node["name"], rows)) for node in nodes]
 
     def observe(self, modelled: dict[str, float], names: Sequence[str], compute_s: Sequence[float], rows: int) -> None:

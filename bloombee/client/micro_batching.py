@@ -56,21 +56,25 @@ class MicroBatchChooser:
         self._chosen: dict[tuple, tuple[int, list[float]]] = {}  # step key -> (M, the speeds it was chosen at)
         self._modelled: dict[tuple, tuple[dict[str, float], PlanInputs]] = {}  # step key and M -> modelled compute
         self._predicted: dict[tuple, float] = {}  # (step key, M) -> the model's seconds when M was chosen
+        self._raised: dict[tuple, tuple[float, float]] = {}  # (step key, M chosen) -> (message factor, seconds at +1)
         self.prediction_error = Recent(ERROR_WINDOW)  # measured over predicted step time
         self.figures = figures or ChainFigures(link_mbps * 1e6 / 8)
 
     def __call__(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int) -> int:
         """M for one step (more micro-batches only where the model has them faster by more than its measured error,
         `split_margin`: a split that gains less may not pay for its extra messages); steps scored alike (`step_key`)
-        reuse it while no server's measured speed moved by more than SPEED_TOLERANCE since."""
+        reuse it while no server's measured speed, nor the chain's message factor, moved by more than SPEED_TOLERANCE
+        since."""
         key = step_key(spans, batch_size, num_tokens, context)
         sizes = {micro_batch_size(batch_size * num_tokens, m) for m in CANDIDATES if m <= batch_size}
         factors = [self.figures.speeds.factor(node_name(span), size) for span in spans for size in sorted(sizes)]
+        factors.append(max(self.figures.messages.factor, 1e-9))
         chosen = self._chosen.get(key)
         if chosen is None or any(max(now / then, then / now) > SPEED_TOLERANCE for now, then in zip(factors, chosen[1])):
             if len(self._chosen) >= MAX_REMEMBERED:
                 self._chosen.clear()
                 self._predicted.clear()
+                self._raised.clear()
             chosen = self._chosen[key] = (self._choose(key, spans, batch_size, num_tokens, context), factors)
         return chosen[0]
 
@@ -92,24 +96,34 @@ class MicroBatchChooser:
             if seconds > previous_s:  # past the minimum: step times fall to one as M grows, then rise
                 break
             previous_s = seconds
+        used = self.figures.messages.factor  # what the chosen M's steps will teach about messages: see `observe`
+        raised = self.step_seconds(spans, batch_size, num_tokens, context, best, used + 1)
+        if raised is not None:
+            self._raised[(key, best)] = (used, raised)
         return best
 
     def step_seconds(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int,
-                     micro_batches: int) -> float | None:
-        """The planner's simulated time of one step in `micro_batches` micro-batches; None without profiles."""
+                     micro_batches: int, message_factor: float | None = None) -> float | None:
+        """The planner's simulated time of one step in `micro_batches` micro-batches (at the chain's measured message
+        factor unless `message_factor` is given); None without profiles."""
         rows = batch_size * num_tokens
-        inputs = self.chain_inputs(spans, rows, -(-context // num_tokens), micro_batch_size(rows, micro_batches))
+        inputs = self.chain_inputs(spans, rows, -(-context // num_tokens), micro_batch_size(rows, micro_batches),
+                                   message_factor)
         if inputs is None:
             return None
         return predicted_step_s(inputs, [span.end - span.start for span in spans], rows, micro_batches)
 
     def observe(self, spans: Sequence[Span], batch_size: int, num_tokens: int, context: int, step: StepStats) -> None:
-        """Learn the servers' compute speeds from a step they served (their codecs' figures: `ChainFigures`)."""
+        """Learn the servers' compute speeds and the chain's message factor from a step they served (their codecs'
+        figures: `ChainFigures`)."""
         micro_batches, reports = step.micro_batches, step.reports
         rows = micro_batch_size(batch_size * num_tokens, micro_batches)
         key = (step_key(spans, batch_size, num_tokens, context), micro_batches)
         if key in self._predicted and step.total_s > 0:
             self.prediction_error.update(step.total_s / self._predicted[key])
+            if key in self._raised:
+                self.figures.messages.observe(self._raised[key][0], self._predicted[key], self._raised[key][1],
+                                              step.total_s)
         if key not in self._modelled:
             inputs = self.chain_inputs(spans, batch_size * num_tokens, -(-context // num_tokens))
             if inputs is None:
@@ -121,11 +135,11 @@ class MicroBatchChooser:
         modelled, inputs = self._modelled[key]
         self.figures.speeds.observe(modelled, [node.name for node in inputs.nodes], measured_compute(inputs, reports), rows)
 
-    def chain_inputs(self, spans: Sequence[Span], rows: int, context: int,
-                     micro_batch_rows: int | None = None) -> PlanInputs | None:
+    def chain_inputs(self, spans: Sequence[Span], rows: int, context: int, micro_batch_rows: int | None = None,
+                     message_factor: float | None = None) -> PlanInputs | None:
         """The planner's inputs for this chain (with `micro_batch_rows`, each server's cost table scaled by its
-        measured speed and each codec's figures as measured at messages of that many rows), or None when a
-        server announces no profile."""
+        measured speed and each codec's figures as measured at messages of that many rows; every message's CPU by
+        the chain's measured factor, or `message_factor`), or None when a server announces no profile."""
         missing = [span.peer_id for span in spans if span.record.profile is None]
         if missing:
             new = set(missing) - self._unprofiled
@@ -143,7 +157,8 @@ class MicroBatchChooser:
         links = [self.link_mbps] + [span.record.link_bandwidth * 8 / 1e6 for span in spans]
         return chain_inputs(self.model, nodes, links, [span.end - span.start for span in spans], rows, context,
                             spans[0].record.dtype, self.compression, client_cpu=client_cpu_share(),
-                            client_codec=client_codec)
+                            client_codec=client_codec, message_factor=self.figures.messages.factor
+                            if message_factor is None else message_factor)
 
 
 def measured_compute(inputs: PlanInputs, reports: Sequence[HopReport]) -> list[float]:

@@ -42,31 +42,40 @@ def modelled_compute(inputs: PlanInputs, assignment: list[int], rows: int, micro
 
 
 def scaled_cost(node: dict, factor: float) -> dict:
-    """A planner node dict with its cost table's (or polynomial's) compute times, and on a CPU its message cost,
-    multiplied by `factor`."""
+    """A planner node dict with its cost table's (or polynomial's) compute times multiplied by `factor`."""
     if factor == 1.0:
         return node
     cost = node["cost"]
     part = "table" if cost.get("table") is not None else "coefficients"
     scaled = {key: values if key == "micro_batch" else [value * factor for value in values]
               for key, values in cost[part].items()}
-    node = {**node, "cost": {**cost, part: scaled}}
-    if node.get("cpu"):
-        node["cpu"] = {**node["cpu"], "message_ms": node["cpu"].get("message_ms", 0.0) * factor}
-    return node
+    return {**node, "cost": {**cost, part: scaled}}
+
+
+def scaled_messages(cpu: dict | None, factor: float) -> dict | None:
+    """A `CpuShare` dict with the CPU of a message multiplied by `factor` (None stays None)."""
+    if cpu is None or factor == 1.0:
+        return cpu
+    return {**cpu, "message_ms": cpu.get("message_ms", 0.0) * factor}
 
 
 def chain_inputs(model: dict, nodes: list[dict], links_mbps: Sequence[float], blocks: Sequence[int], rows: int, context: int,
                  dtype: str, compression: str, hop_mbps: Sequence[float] | None = None,
-                 client_cpu: dict | None = None, client_codec: dict | None = None) -> PlanInputs:
+                 client_cpu: dict | None = None, client_codec: dict | None = None,
+                 message_factor: float = 1.0) -> PlanInputs:
     """Planner inputs of a chain of `nodes` (planner node dicts, as announced) holding `blocks` blocks each.
 
     `links_mbps`: the client's link, then each node's, as announced; `hop_mbps` (client -> first node, ...,
     last node -> client), when known, overrides them hop by hop. A step of T tokens per row is scored as
     `rows` = B x T rows over context / T (the same KV bytes). `client_cpu`: the client's own `CpuShare`
     (with what messages cost its host) and its end of a hop's `latency_ms`, `client_codec`: its codec figures (without, it has none).
-    Every link is slowed by the p2p stack of the process at its end, at the rate its host measured.
+    Every link is slowed by the p2p stack of the process at its end, at the rate its host measured;
+    `message_factor` scales the CPU of a message on every process (what the chain's steps measured of it
+    against the hosts' figures: `bloombee.client.figures.MessageCosts`).
     """
+    client_cpu = scaled_messages(client_cpu, message_factor)
+    nodes = [{**node, "cpu": scaled_messages(node["cpu"], message_factor)} if node.get("cpu") else node
+             for node in nodes]
     names = [node["name"] for node in nodes]
     ends = [client_cpu or {}, *[node.get("cpu") or {} for node in nodes]]
     stack = dict(zip(["client", *names], [end.get("stack_mbps", 0.0) for end in ends]))

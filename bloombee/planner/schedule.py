@@ -11,9 +11,10 @@ simulation reproduces but for what follows. Nodes that compute on the CPU of one
 cores while their micro-batches overlap (processor sharing), which the simulation models when given
 the nodes' CPU shares and the closed form does not. There,
 each message also costs CPU at both ends of its hop (``CpuShare.message_ms``: kinds "send" and
-"receive"), taken in turns with the same process's compute (one interpreter) and shared with the
-host's other processes, and so does the share of a transfer that its ends' p2p stacks take
-(``CpuShare.stack_mbps``) while the message streams through them. A transfer into a node slows
+"receive"): the process's part taken in turns with its compute (one interpreter) and shared with the
+host's other processes, its p2p daemon's part on the host's cores beside it; and so does the
+process's share of the work its p2p stack does (``CpuShare.stack_mbps``) while the message streams
+through it. Every figure of a ``CpuShare`` is what its host measured (``bloombee.host_costs``). A transfer into a node slows
 while that node's own uplink sends: the transfer's acknowledgements queue behind the outgoing
 message (``ack_slowdown``). netbench shows the simulation is the one that matches measurement, so
 the client's `micro_batches="auto"` decides with it.
