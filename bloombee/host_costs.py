@@ -12,6 +12,7 @@ its other processes keep busy. Measured once per host (cached in
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import statistics
@@ -54,8 +55,10 @@ class HostCosts:
         return {key: value for key, value in asdict(self).items() if key != "latency_ms"}
 
 
+@functools.cache
 def host_costs(host: str) -> HostCosts:
-    """This host's figures (measured the first time, then cached under its fingerprint `host`)."""
+    """This host's figures (measured the first time, then cached under its fingerprint `host`; read once per process,
+    as the model of the chain asks for them at every step it scores)."""
     figures = cached(CACHE_DIR / "host_costs.json", f"{host}|v{VERSION}", lambda: asdict(measure_host_costs()))
     return HostCosts(**figures)
 
