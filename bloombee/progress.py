@@ -18,6 +18,6 @@ def progress(items: Iterable[T], description: str, total: int | None = None, uni
     return tqdm(items, desc=description, total=total, unit=unit, leave=False, disable=_quiet())
 
 
-def progress_bar(total: int, description: str, unit: str = "it") -> tqdm:
-    """A bar to `update()` by hand (use it as a context manager); silent when stderr is not a terminal."""
-    return tqdm(total=total, desc=description, unit=unit, leave=False, disable=_quiet())
+def progress_bar(total: int, description: str, unit: str = "it", show: bool = True) -> tqdm:
+    """A bar to `update()` by hand (use it as a context manager); silent when stderr is not a terminal or not `show`."""
+    return tqdm(total=total, desc=description, unit=unit, leave=False, disable=_quiet() or not show)

@@ -36,6 +36,11 @@ class ServerSettings(BaseModel):
     balance_quality: float = Field(1.25, ge=1.0, description="move to other blocks only if swarm throughput grows by this factor")
     compression: Literal["auto", "on", "off"] = Field("auto", description="compress activations on each hop: auto (when "
                                                       "it saves time on that link), on or off")
+    quant_type: str = Field("auto", description="precision of the blocks' linear weights: none (--dtype), int8 "
+                            "(LLM.int8, ~0.27x float32's bytes) or nf4 (QLoRA 4-bit, ~0.14x); computed in --dtype. "
+                            "auto: nf4 on CUDA, as Petals loads by default (about 4x the blocks of float16 per GPU, so "
+                            "fewer servers and hops in a chain); none on a CPU, where dequantising costs more time "
+                            "than the bytes save")
     num_threads: int = Field(0, ge=0, description="torch threads for compute; 0 = one per core (bloombee's local swarms "
                              "and tests pass 1 per server so that several servers on one machine do not oversubscribe it)")
     connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")
@@ -51,6 +56,15 @@ class ServerSettings(BaseModel):
             from bloombee.server.memory import parse_bytes
 
             parse_bytes(value)
+        return value
+
+    @field_validator("quant_type")
+    @classmethod
+    def _quant_type(cls, value: str) -> str:
+        if value != "auto":
+            from bloombee.weight_formats import parse_quant_type
+
+            parse_quant_type(value)
         return value
 
     @field_validator("offload")
@@ -77,6 +91,9 @@ class ClientSettings(BaseModel):
     ban_base_seconds: float = Field(5.0, gt=0, description="first ban of a failing server; doubles on each new failure")
     ban_max_seconds: float = Field(300.0, gt=0, description="longest ban of a failing server, seconds")
     max_retries: int = Field(5, ge=0, description="times one step is re-routed after server failures")
+    quant_types: str = Field("none,int8,nf4", description="weight precisions of the servers this client routes "
+                             "through, comma-separated (a server announces its own): leave out int8 or nf4 to use "
+                             "full-precision servers only")
     hop_penalty_seconds: float = Field(0.02, ge=0, description="extra cost per hop, to prefer shorter chains")
     link_bandwidth_mbps: float = Field(100.0, gt=0, description="this machine's link speed, Mbit/s")
     compression: Literal["auto", "on", "off"] = Field("auto", description="compress activations on each hop: auto (when "
@@ -100,6 +117,18 @@ class ClientSettings(BaseModel):
                                       "servers that disagree (0 = off)")
     verify_seed: int | None = Field(None, description="seed of the random choice of verified steps and verifiers "
                                     "(unset: unseeded)")
+
+    @field_validator("quant_types", mode="before")
+    @classmethod
+    def _quant_types(cls, value) -> str:
+        from bloombee.weight_formats import parse_quant_types
+
+        return ",".join(parse_quant_types(value))
+
+    @property
+    def accepted_quant_types(self) -> tuple[str, ...]:
+        """quant_types as a tuple."""
+        return tuple(self.quant_types.split(","))
 
     @field_validator("draft_widths")
     @classmethod

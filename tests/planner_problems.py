@@ -3,14 +3,17 @@
 Heterogeneous small problems: tight GPU memory (offloading and skipping matter), host memory that
 sometimes binds, CPU attention sometimes faster than GPU attention, table and polynomial cost
 models, asymmetric links, pairwise overrides (list and matrix), codecs on some machines and every
-compression mode.
+compression mode; weight precisions (allowed sets, nodes fixed in one, costs measured at some) drawn
+from a generator of their own, so that the rest of each problem is what it was before precisions.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from bloombee.planner.chain import scaled_cost
 from bloombee.planner.inputs import GIB, PlanInputs
+from bloombee.weight_formats import QUANT_TYPES
 
 
 def random_inputs(seed, num_nodes: int, num_blocks: int) -> PlanInputs:
@@ -120,6 +123,7 @@ def random_inputs(seed, num_nodes: int, num_blocks: int) -> PlanInputs:
                 for i in range(size)
             ],
         }
+    quantised(np.random.default_rng([seed, 1]), model, workload, nodes)
     return PlanInputs.model_validate(
         {
             "model": model,
@@ -130,3 +134,17 @@ def random_inputs(seed, num_nodes: int, num_blocks: int) -> PlanInputs:
             "link_matrix": matrix,
         }
     )
+
+
+def quantised(rng: np.random.Generator, model: dict, workload: dict, nodes: list[dict]) -> None:
+    """Draw, in place, the model's nn.Linear share, the allowed precisions, nodes fixed in one and their costs at
+    other precisions (slower or faster than their own)."""
+    model["linear_params_per_block"] = int(model["weight_bytes_per_block"] / 4 * rng.uniform(0.5, 1.0))
+    model["linear_rows_per_block"] = int(rng.integers(1, 1 << 16))
+    allowed = [str(quant) for quant in QUANT_TYPES if rng.random() < 0.6] or ["nf4"]
+    workload["quant"] = ["none"] if rng.random() < 0.3 else allowed
+    for node in nodes:
+        if rng.random() < 0.2:
+            node["quant_type"] = str(rng.choice(QUANT_TYPES))
+        node["quant_costs"] = {quant: scaled_cost(node, float(rng.uniform(0.5, 2.0)))["cost"]
+                               for quant in QUANT_TYPES if rng.random() < 0.5}

@@ -128,8 +128,25 @@ def test_memory_sizes_and_budgets_that_cannot_hold_the_weights():
     assert_short_error(run("bloombee-server", "--model", MODEL, "--new-swarm", "--offload", "2"),
                        "offload must be auto or a fraction from 0 to 1")
     assert_short_error(run("bloombee-server", "--model", MODEL, "--new-swarm", "--device-memory", "1MiB",
-                           "--num-threads", "1", "--log-level", "warning"),
+                           "--blocks", "0:8", "--num-threads", "1", "--log-level", "warning"),
                        "take 10.57 MiB of weights, more than --device-memory 1.00 MiB leaves room for")
+    assert_short_error(run("bloombee-server", "--model", MODEL, "--new-swarm", "--device-memory", "1MiB",
+                           "--num-threads", "1", "--log-level", "warning"),
+                       "one block with the KV cache of --cache-tokens 16384 takes 5.32 MiB in none weights, more than "
+                       "the 1.00 MiB of --device-memory")
+
+
+def test_quant_types_the_server_cannot_load_are_refused_before_joining(tmp_path):
+    common = ("bloombee-server", "--model", MODEL, "--initial-peers", FAKE_PEER)
+    assert_short_error(run(*common, "--quant-type", "fp3"), "invalid quant_type",
+                       "quant type must be one of none, int8, nf4, got 'fp3'")
+    assert_short_error(run(*common, "--quant-type", "nf4", "--device", "mps"),
+                       "nf4 weights run on cpu or cuda (bitsandbytes), not on mps; use --quant-type none")
+    folder = save_tiny_llama(tmp_path / "gptq", num_layers=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    assert_short_error(run("bloombee-server", "--model", str(folder), "--initial-peers", FAKE_PEER),
+                       "already quantised (gptq)", "serve the original model with --quant-type int8 or nf4")
 
 
 def test_demo_with_zero_servers():

@@ -144,6 +144,8 @@ def test_model_section_from_config():
         "num_blocks": 2,
         "hidden_size": 64,
         "params_per_block": _layer_params(config),
+        "linear_params_per_block": 2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 96,  # q, o; k, v of 2 KV heads; the MLP
+        "linear_rows_per_block": 64 + 2 * 16 + 64 + 2 * 96 + 64,
         "num_key_value_heads": 2,
         "head_dim": 8,
         "intermediate_size": 96,

@@ -72,11 +72,11 @@ def server_bar(server: ServerStatus, scale: float, y: float) -> list[str]:
 
 
 def servers_table(status: ModelStatus) -> str:
-    header = ("server", "blocks", "state", "block-steps/s", "free cache tokens", "link Mbit/s", "version", "features", "note")
+    header = ("server", "blocks", "state", "block-steps/s", "weights", "free cache tokens", "link Mbit/s", "version", "features", "note")
     rows = ["<tr>" + "".join(f"<th>{name}</th>" for name in header) + "</tr>"]
     for server in status.servers:
         cells = (server.label, f"{server.start_block}:{server.end_block}", server.state, f"{server.throughput:.1f}",
-                 str(server.cache_tokens_left), f"{server.link_mbps:.0f}", server.version, ", ".join(server.features),
+                 server.weights_text, str(server.cache_tokens_left), f"{server.link_mbps:.0f}", server.version, ", ".join(server.features),
                  server.problem or "")
         css = "usable" if usable(server) else "unusable"
         rows.append(f'<tr class="{css}">' + "".join(f"<td>{escape(cell)}</td>" for cell in cells) + "</tr>")

@@ -163,7 +163,7 @@ def info(args: argparse.Namespace) -> int:
     print(f"{status.prefix}: {status.num_blocks} blocks, {len(status.servers)} servers")
     for server in status.servers:
         print(f"  {server.public_name or '-':12} {server.peer_id}  blocks {server.start_block}:{server.end_block}  "
-              f"{server.state:8}  {server.throughput:8.1f} block-steps/s  {server.dtype} on {server.device}  "
+              f"{server.state:8}  {server.throughput:8.1f} block-steps/s  {server.dtype} on {server.device}, weights {server.weights_text}  "
               f"cache {server.cache_tokens_left} tokens")
     if status.uncovered:
         print(f"  coverage gap: blocks {status.uncovered_text} are served by nobody; start a server for them "

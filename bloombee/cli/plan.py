@@ -1,15 +1,18 @@
 """`bloombee-plan`: the pipeline planner.
 
     bloombee-plan --nodes nodes.yaml [--model MODEL] [--batch-sizes 16 32 64] [--micro-batches 1 2 4]
-                  [--seq-len 512] [--dtype float16] [--compression auto|on|off] [--json] [--plot plan.png]
-    bloombee-plan --measure --model MODEL [--name NAME] [--device cpu] [--measure-sizes 1 4 16] >> nodes.yaml
+                  [--seq-len 512] [--dtype float16] [--compression auto|on|off] [--quant none,int8,nf4]
+                  [--json] [--plot plan.png]
+    bloombee-plan --measure --model MODEL [--name NAME] [--device cpu] [--measure-sizes 1 4 16] [--quant ...]
+                  >> nodes.yaml
 
 The input file (YAML or JSON, see bloombee/planner/README.md and examples/plans/) holds the nodes in
 pipeline order, the client, optional link overrides, and optionally the model and the workload.
 ``--model`` (an alias, hub id or local folder) replaces the file's model section with shapes read
 from the model's config; the workload flags replace the file's values.
 
-Prints the chosen plan as a table (or JSON with --json) with the even-split and greedy baselines.
+Prints the chosen plan as a table (or JSON with --json) with the even-split and greedy baselines;
+with more than one ``--quant`` precision also the best plan with each alone, side by side.
 ``--measure`` instead times one block of the model on this machine and prints this machine as a
 node of nodes.yaml (per-block cost table, memory, codec), ready to paste (docs/planner.md).
 Exit status: 0 planned (or measured), 1 no feasible plan, 2 bad input.
@@ -32,6 +35,7 @@ from bloombee.planner.model_config import ModelConfigError, load_model_section
 from bloombee.planner.placement import current_assignment
 from bloombee.planner.report import json_report, plot_title, simulated_throughput, text_report
 from bloombee.planner.schedule import cpu_shares, plot_schedule, simulate
+from bloombee.weight_formats import QUANT_TYPES, parse_quant_types
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype of weights and activations (default: the file's; with --measure the checkpoint's)")
     parser.add_argument("--compression", choices=["auto", "on", "off"],
                         help="compress hops: auto (where it saves time), on or off (default: the file's, else auto)")
+    parser.add_argument("--quant", type=quant_list, metavar="TYPES",
+                        help=f"weight precisions the planner may give a node, comma-separated, of "
+                             f"{', '.join(QUANT_TYPES)} (default: the file's, else none); with --measure, also time a "
+                             "block in each")
     measure = parser.add_argument_group("with --measure")
     measure.add_argument("--name", help="the node's name (default: this machine's host name)")
     measure.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N to time the block on (default: %(default)s)")
@@ -73,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PNG", help="draw the micro-batch schedule of one step")
     add_common_flags(parser, default_level="warning")
     return parser
+
+
+def quant_list(text: str) -> list[str]:
+    """argparse type: 'none,nf4' -> ['none', 'nf4']."""
+    try:
+        return list(parse_quant_types(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def swarm_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
@@ -111,6 +127,7 @@ def load_inputs(args: argparse.Namespace, raw: dict[str, Any] | None = None) -> 
         ("seq_len", "seq_len"),
         ("dtype", "dtype"),
         ("compression", "compression"),
+        ("quant", "quant"),
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -151,8 +168,9 @@ def measured_node(args: argparse.Namespace) -> str:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise PlanInputError(f"--device {args.device}: torch sees no CUDA GPU on this machine; measure with --device cpu")
 
-    node = measure_node(args.model, args.name or socket.gethostname(), args.device, args.dtype or "auto",
-                        args.seq_len or 32, tuple(args.measure_sizes or MICRO_BATCHES), args.link_mbps)
+    node = measure_node(args.model, args.name or socket.gethostname(), device=args.device, dtype=args.dtype or "auto",
+                        seq_len=args.seq_len or 32, micro_batches=tuple(args.measure_sizes or MICRO_BATCHES),
+                        link_mbps=args.link_mbps, quant_types=tuple(args.quant or ("none",)))
     header = (f"# {node['name']} timed on one block of {args.model} ({node['gpu']}) by bloombee-plan --measure;\n"
               "# paste the entry under `nodes:` of nodes.yaml and set its link to the machine's uplink, downlink and latency\n")
     return header + yaml.dump({"nodes": [_rounded(node)]}, Dumper=_PlainDumper, sort_keys=False)

@@ -94,9 +94,10 @@ def check_blocks(args: argparse.Namespace) -> None:
                          f"pass --num-blocks {total} or fewer")
 
 
-def read_plan(args: argparse.Namespace) -> tuple[int, int, float, tuple[int, int]] | None:
-    """With --plan: --node's blocks [start, end), KV offload and the plan's (B, M), checked before joining the swarm."""
-    from bloombee.planner.placement import node_range, plan_schedule
+def read_plan(args: argparse.Namespace) -> tuple[int, int, float, tuple[int, int], str] | None:
+    """With --plan: --node's blocks [start, end), KV offload, the plan's (B, M) and the node's weight precision,
+    checked before joining the swarm."""
+    from bloombee.planner.placement import node_quant_type, node_range, plan_schedule
 
     if not args.plan:
         return None
@@ -112,9 +113,28 @@ def read_plan(args: argparse.Namespace) -> tuple[int, int, float, tuple[int, int
                          f"{args.plan}`") from None
     try:
         start, end, alpha = node_range(report, args.node)
+        quant = node_quant_type(report, args.node)
     except ValueError as error:
         raise UsageError(f"--plan {args.plan}: {error}") from None
-    return start, end, alpha, plan_schedule(report)
+    return start, end, alpha, plan_schedule(report), quant
+
+
+def check_quantization(args: argparse.Namespace, settings: ServerSettings, planned: tuple | None) -> str:
+    """The weight precision this server will load (the plan's, else --quant-type), checked against the device, the
+    library and the checkpoint before joining the swarm."""
+    import torch
+
+    from bloombee.loading import load_model_config
+    from bloombee.loading.weights import refuse_quantized_checkpoint
+    from bloombee.models.core.quantize import QuantizationUnsupported, check_supported, resolve_quant_type
+
+    quant = planned[4] if planned is not None else resolve_quant_type(settings.quant_type, torch.device(args.device))
+    try:
+        check_supported(quant, torch.device(args.device))
+        refuse_quantized_checkpoint(load_model_config(args.model))
+    except QuantizationUnsupported as error:
+        raise UsageError(str(error)) from None
+    return quant
 
 
 def run(args: argparse.Namespace, server_class: type | None = None) -> None:
@@ -128,6 +148,7 @@ def run(args: argparse.Namespace, server_class: type | None = None) -> None:
     if not args.new_swarm and not args.initial_peers:
         raise SystemExit("bloombee-server: pass --initial-peers of a running swarm, or --new-swarm to start one")
     settings = load_settings(ServerSettings, settings_overrides(args, ServerSettings))
+    quant = check_quantization(args, settings, planned)
     for sig in (signal.SIGINT, signal.SIGTERM):  # until the server's loop takes over: stop cleanly, DHT included
         signal.signal(sig, stop_starting)
     if settings.num_threads:
@@ -135,15 +156,15 @@ def run(args: argparse.Namespace, server_class: type | None = None) -> None:
     dht = start_dht(args.initial_peers, args.host_maddrs, args.announce_maddrs, args.identity_path, args.nat_traversal,
                     connect_timeout=settings.connect_timeout)
     try:
-        serve(args, settings, dht, planned, server_class)
+        serve(args, settings, dht, planned, quant, server_class)
     finally:
         dht.shutdown()
 
 
-def serve(args: argparse.Namespace, settings: ServerSettings, dht, planned: tuple | None,
+def serve(args: argparse.Namespace, settings: ServerSettings, dht, planned: tuple | None, quant: str,
           server_class: type | None = None) -> None:
-    """Load the blocks this server is told (`planned`: read_plan's answer) or chooses to serve and serve them until a
-    signal."""
+    """Load the blocks this server is told (`planned`: read_plan's answer) or chooses to serve, with weights in
+    `quant`, and serve them until a signal."""
     from bloombee.dht.peers import visible_maddrs
     from bloombee.server.server import BlockChoice, Server
 
@@ -153,12 +174,12 @@ def serve(args: argparse.Namespace, settings: ServerSettings, dht, planned: tupl
     start, end = args.blocks or (None, None)
     alpha, schedule = None, None
     if planned is not None:
-        start, end, alpha, schedule = planned
+        start, end, alpha, schedule, _ = planned
     choice = BlockChoice(start=start, end=end, num_blocks=args.num_blocks)
     server = (server_class or Server)(args.model, dht, choice, settings, device=args.device, dtype=args.dtype,
                     public_name=args.public_name, link_bandwidth=args.link_bandwidth_mbps * 1e6 / 8,
                     profile=not args.no_profile, profile_path=args.profile, planned=schedule,
-                    planned_offload=alpha)
+                    planned_offload=alpha, quant_type=quant)
     stop_if_signalled()
     asyncio.run(server.run())
 

@@ -99,6 +99,8 @@ class SequenceManager:
         """Whether this client would route through the server were it not banned."""
         if record.state != ServerState.ONLINE or {peer_id, record.public_name} & self.blocked_servers:
             return False
+        if record.quant_type not in self.settings.accepted_quant_types:
+            return False
         problem = incompatibility(record)
         if problem is not None:
             if peer_id not in self._incompatible:
@@ -157,10 +159,25 @@ class SequenceManager:
             raise MissingBlocksError(self._explain_missing(start, end) or str(error)) from None
 
     def _explain_missing(self, start: int, end: int) -> str | None:
-        """Why blocks of [start, end) have no usable server when servers this client banned hold them."""
+        """Why blocks of [start, end) have no usable server when servers this client banned, or servers in a precision
+        it does not accept, hold them."""
         usable = self.usable_servers().values()
         missing = [block for block in range(start, end) if not any(r.start_block <= block < r.end_block for r in usable)]
-        return banned_blocks_message(missing, self.banned_servers(), self.model_name)
+        return (banned_blocks_message(missing, self.banned_servers(), self.model_name)
+                or self._unaccepted_message(missing))
+
+    def _unaccepted_message(self, missing: list[int]) -> str | None:
+        """The explanation when only servers in a precision this client does not accept hold `missing` blocks."""
+        with self._lock:
+            precisions = sorted({record.quant_type for block in missing for record in self._records[block].values()
+                                 if record.state == ServerState.ONLINE
+                                 and record.quant_type not in self.settings.accepted_quant_types})
+        if not precisions:
+            return None
+        return (f"blocks {format_ranges(missing)} of model {self.model_name!r} are served only by servers whose weights "
+                f"are {' or '.join(precisions)}, and this client accepts {self.settings.quant_types} (quant_types); "
+                f"accept {', '.join(precisions)} too, or start a server with --quant-type "
+                f"{self.settings.accepted_quant_types[0]} for them")
 
     def _route_and_hold(self, start: int, end: int, tokens: int, asked: float) -> list[Span]:
         """The best chain, counted as held at once: concurrent sessions of this client see each other's choice."""

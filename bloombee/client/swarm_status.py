@@ -4,6 +4,7 @@ from pydantic import BaseModel
 
 from bloombee.client.routing import MissingBlocksError, best_chain, format_ranges, incompatibility, span_figures
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
+from bloombee.planner.report import size_text
 from bloombee.settings import ClientSettings
 
 
@@ -22,6 +23,8 @@ class ServerStatus(BaseModel):
     version: str
     features: list[str]
     dtype: str
+    quant_type: str
+    weight_bytes: int
     device: str
     problem: str | None = None
 
@@ -30,11 +33,17 @@ class ServerStatus(BaseModel):
         return cls(peer_id=peer_id, public_name=record.public_name, state=record.state.value, start_block=record.start_block,
                    end_block=record.end_block, throughput=record.throughput, cache_tokens_left=record.cache_tokens_left,
                    offload=record.offload, link_mbps=record.link_bandwidth * 8 / 1e6, version=record.version, features=list(record.features),
-                   dtype=record.dtype, device=record.device, problem=incompatibility(record))
+                   dtype=record.dtype, quant_type=record.quant_type, weight_bytes=record.weight_bytes,
+                   device=record.device, problem=incompatibility(record))
 
     @property
     def label(self) -> str:
         return self.public_name or self.peer_id[-8:]
+
+    @property
+    def weights_text(self) -> str:
+        """E.g. 'nf4 1.20 GiB': the precision of the weights and their bytes on the device."""
+        return f"{self.quant_type} {size_text(self.weight_bytes)}"
 
 
 class ModelStatus(BaseModel):
@@ -91,12 +100,12 @@ def status_lines(status: ModelStatus) -> list[str]:
     """The status as text for a terminal, one line per server."""
     lines = [f"{status.model} ({status.prefix}): {status.num_blocks} blocks, {len(status.servers)} servers, "
              + (f"full chain: {' -> '.join(status.chain)}" if status.full_chain else "NO full chain")]
-    lines.append(f"  {'server':14} {'blocks':>7}  {'state':8} {'block-steps/s':>13} {'free cache':>10} {'offload':>7} "
-                 f"{'link':>10}  {'version':8} features")
+    lines.append(f"  {'server':14} {'blocks':>7}  {'state':8} {'block-steps/s':>13} {'weights':>15} {'free cache':>10} "
+                 f"{'offload':>7} {'link':>10}  {'version':8} features")
     for server in status.servers:
         note = f"  [skipped: {server.problem}]" if server.problem else ""
         lines.append(f"  {server.label:14} {server.start_block:>3}:{server.end_block:<3}  {server.state:8} "
-                     f"{server.throughput:13.1f} {server.cache_tokens_left:10d} {server.offload:7.2f} {server.link_mbps:6.0f} Mb/s  "
+                     f"{server.throughput:13.1f} {server.weights_text:>15} {server.cache_tokens_left:10d} {server.offload:7.2f} {server.link_mbps:6.0f} Mb/s  "
                      f"{server.version:8} {','.join(server.features)}{note}")
     lines.append("  servers per block: " + " ".join(map(str, status.servers_per_block())))
     if status.uncovered:

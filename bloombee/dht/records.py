@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from bloombee.dht.security import owner_peer_id
 from bloombee.planner.inputs import NodeProfile
+from bloombee.weight_formats import QuantType
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class ServerRecord(BaseModel):
                                         "blocks takes (its batch x max_length tokens are allocated when it opens)")
     host_bytes_per_token: int = Field(0, ge=0, description="host bytes of the same: offloaded KV, history, token mask")
     dtype: str
+    quant_type: QuantType = Field("none", description="precision of the blocks' linear weights (compute is in dtype)")
+    weight_bytes: int = Field(0, ge=0, description="bytes of the hosted blocks' weights on the device, scales included")
     device: str
     version: str
     public_name: str = ""

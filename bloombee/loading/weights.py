@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 
 from bloombee.loading.resolve import ModelNotFoundError, load_model_config, resolve_model
+from bloombee.models.core.quantize import QuantizationUnsupported, check_supported, quantize_linears
 from bloombee.models.core.stack import BlockStack, ClientHead
 from bloombee.progress import progress_bar
+from bloombee.weight_formats import QuantType
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,13 @@ class CheckpointReader:
     def files_for(self, names) -> set[str]:
         return {self.weight_map[n] for n in names}
 
-    def read(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def read(self, names, dtype: torch.dtype | None = None, show_progress: bool = True) -> dict[str, torch.Tensor]:
         """The named tensors (cast to ``dtype`` if given); other tensors are not read."""
         by_file = defaultdict(list)
         for name in names:
             by_file[self.weight_map[name]].append(name)
         out = {}
-        with progress_bar(sum(map(len, by_file.values())), "loading weights", "tensor") as bar:
+        with progress_bar(sum(map(len, by_file.values())), "loading weights", "tensor", show_progress) as bar:
             for file, file_names in by_file.items():
                 if self.format == "safetensors":
                     with safe_open(self.folder / file, framework="pt") as f:
@@ -125,16 +127,33 @@ def _state_for(module_names: set[str], renamed: dict[str, str], where: str) -> N
                          f"unexpected {sorted(unexpected)[:8]}.")
 
 
-def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, device="cpu"):
-    """Blocks [start, end) of a model, reading only those blocks' tensors. Never builds the whole model."""
+def refuse_quantized_checkpoint(config) -> None:
+    """A checkpoint saved already quantised (its config has a ``quantization_config``) is refused: the server quantises
+    full-precision shards itself (--quant-type)."""
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        return
+    method = found.get("quant_method", "unknown") if isinstance(found, dict) else getattr(found, "quant_method", found)
+    raise QuantizationUnsupported(
+        f"this checkpoint is already quantised ({method}); bloombee loads full-precision checkpoints (safetensors or "
+        f".bin in float32, float16 or bfloat16) and quantises them itself: serve the original model with "
+        f"--quant-type int8 or nf4")
+
+
+def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, device="cpu",
+                     quant_type: QuantType = "none"):
+    """Blocks [start, end) of a model, reading only those blocks' tensors, one block at a time: with ``quant_type``
+    int8 or nf4 each block's linear weights are quantised on ``device`` before the next block is read, so at most one
+    block is ever held in full precision. Never builds the whole model."""
     from bloombee.models import family_for_config
 
     config = load_model_config(name_or_path)
+    refuse_quantized_checkpoint(config)
+    check_supported(quant_type, device)
     family = family_for_config(config)
     dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         stack = BlockStack(family, config, start, end)
-    stack.reset_buffers()
 
     def module_name(checkpoint_name: str) -> str | None:
         for i in range(start, end):
@@ -147,11 +166,18 @@ def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, de
     renamed = {name: module_name(name) for name in reader.keys()}
     renamed = {k: v for k, v in renamed.items() if v is not None}
     _state_for({k for k in stack.state_dict()}, renamed, f"{family.name} blocks [{start}, {end})")
-    tensors = reader.read(renamed, dtype)
-    stack.load_state_dict({renamed[k]: t.to(device) for k, t in tensors.items()}, strict=True, assign=True)
-    stack.to(device)
+    with progress_bar(end - start, "loading blocks", "block") as bar:
+        for index, block in enumerate(stack.blocks):
+            prefix = f"blocks.{index}."
+            names = {name: local.removeprefix(prefix) for name, local in renamed.items() if local.startswith(prefix)}
+            tensors = reader.read(names, dtype, show_progress=False)
+            block.load_state_dict({names[k]: t for k, t in tensors.items()}, strict=True, assign=True)
+            quantize_linears(block, quant_type, device)
+            bar.update()
+    stack.reset_buffers(device)
     stack.eval().requires_grad_(False)
-    logger.info("loaded %s blocks [%d, %d) from %s in %s", family.name, start, end, name_or_path, dtype)
+    logger.info("loaded %s blocks [%d, %d) from %s in %s, weights %s", family.name, start, end, name_or_path, dtype,
+                quant_type)
     return stack
 
 

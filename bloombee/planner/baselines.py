@@ -3,9 +3,10 @@
 - even split: the L blocks over all N nodes in pipeline order, floor(L / N) each and one more for
   the first L mod N nodes (a node whose share does not fit makes the plan infeasible).
 - greedy (Petals' block selection): each node in pipeline order takes the largest number of blocks
-  it can hold without offloading, placed on the contiguous window that covers the least-served
-  blocks (Petals' rule: the window whose sorted per-block service is lexicographically smallest,
-  service = the sum of 1 / t_block of the nodes covering a block; ties go to the earliest window).
+  it can hold without offloading (in any of its candidate precisions), placed on the contiguous
+  window that covers the least-served blocks (Petals' rule: the window whose sorted per-block
+  service is lexicographically smallest, service = the sum of 1 / t_block of the nodes covering a
+  block, t_block in the node's fastest precision; ties go to the earliest window).
   The client then chains through the nodes in pipeline order, taking from each the part of its
   window that extends the covered prefix; a gap left uncovered makes the plan infeasible.
 
@@ -34,6 +35,8 @@ def greedy(inputs: PlanInputs, batch_size: int, micro_batches: int = 1, step_mod
     model = step_model or StepModel(inputs, batch_size, micro_batches)
     total = model.num_blocks
     caps = np.minimum(model.capacity(offload=False), total)
+    # a block's time without offloading, in the node's fastest candidate precision
+    block_s = np.where(model.allowed, model.t_mlp + model.t_attn_gpu, np.inf).min(axis=0)
     served = np.zeros(total)
     windows = []
     for j in range(model.num_nodes):
@@ -44,8 +47,7 @@ def greedy(inputs: PlanInputs, batch_size: int, micro_batches: int = 1, step_mod
         options = [(sorted(served[s : s + cap]), s) for s in range(total - cap + 1)]
         start = min(options)[1]
         windows.append((start, start + cap))
-        per_block = model.t_mlp[j] + model.t_attn_gpu[j]
-        served[start : start + cap] += 1.0 / per_block if per_block > 0 else 1e12
+        served[start : start + cap] += 1.0 / block_s[j] if block_s[j] > 0 else 1e12
     assignment = [0] * model.num_nodes
     covered = 0
     for j, window in enumerate(windows):

@@ -42,14 +42,20 @@ def modelled_compute(inputs: PlanInputs, assignment: list[int], rows: int, micro
 
 
 def scaled_cost(node: dict, factor: float) -> dict:
-    """A planner node dict with its cost table's (or polynomial's) compute times multiplied by `factor`."""
+    """A planner node dict with its cost tables' (or polynomials') compute times multiplied by `factor`, at every
+    precision it gives (`cost` and `quant_costs`)."""
     if factor == 1.0:
         return node
-    cost = node["cost"]
+    quant_costs = {quant: _scaled(cost, factor) for quant, cost in node.get("quant_costs", {}).items()}
+    return {**node, "cost": _scaled(node["cost"], factor), **({"quant_costs": quant_costs} if quant_costs else {})}
+
+
+def _scaled(cost: dict, factor: float) -> dict:
+    """A `BlockCost` dict with its compute times multiplied by `factor`."""
     part = "table" if cost.get("table") is not None else "coefficients"
     scaled = {key: values if key == "micro_batch" else [value * factor for value in values]
               for key, values in cost[part].items()}
-    return {**node, "cost": {**cost, part: scaled}}
+    return {**cost, part: scaled}
 
 
 def scaled_messages(cpu: dict | None, factor: float) -> dict | None:

@@ -4,14 +4,14 @@
 (micro-batch size b = ceil(B / M)), everything the evaluator, the dynamic program, the brute force
 and the baselines score with, so that all of them agree by construction:
 
-- per node j and block count l: the offload fraction alpha, the compute time T_comp, the GPU and
-  host memory used, and whether it fits (``stage_arrays``);
+- per node j and block count l: the weights' precision, the offload fraction alpha, the compute time
+  T_comp, the GPU and host memory used, and whether it fits (``stage_arrays``);
 - per ordered pair of machines (the client included): the time of one hop carrying one
   micro-batch's activations, and whether the codec is used on it (``hop``).
 
-Memory (per node holding l blocks; bytes):
+Memory (per node holding l blocks kept in precision q; bytes):
 
-    weights   W  = l * weight_bytes_per_block
+    weights   W  = l * weight_bytes_per_block(q)
     workspace WS = reserved + b * workspace_bytes_per_token
     KV        KV = l * B * s * kv_bytes_per_token_per_block      (the whole batch's cache, every M)
     alpha = max(0, 1 - (G - W - WS) / KV)                          (smallest offload that fits,
@@ -20,7 +20,14 @@ Memory (per node holding l blocks; bytes):
     history   HS = B * s * (activation_bytes_per_token + 1)        (output history and token mask, in host memory)
     infeasible if W + WS > G ("GPU memory") or alpha * KV + HS > host  ("host memory")
 
-Compute (seconds):  T_comp = l * (t_mlp(b) + (1 - alpha) * t_attn_gpu(b) + alpha * t_attn_cpu(b)).
+Compute (seconds):  T_comp = l * (t_mlp(b) + (1 - alpha) * t_attn_gpu(b) + alpha * t_attn_cpu(b)), the times of
+the node's cost at q (``quant_costs[q]``, else its ``cost``).
+
+Precision: each of a node's candidate precisions (its fixed ``quant_type``, else ``workload.quant``) is
+sized and timed as above; a stage (node, l) takes the one with the least T_comp among those that fit,
+the most precise of equally fast ones (quantising that buys no time only costs accuracy). Where none
+fits, the most compact one says why. Hops do not depend on it, and the step time grows with each
+stage's T_comp, so choosing per stage is optimal.
 
 A hop src -> dst carrying n = b * activation_bytes_per_token bytes:
 
@@ -38,6 +45,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from bloombee.weight_formats import QuantType
 
 from .inputs import CLIENT, GIB, BlockCost, PlanInputs
 from .rules import compression_pays
@@ -102,11 +111,14 @@ class StageArrays:
     """Arrays over (nodes, block counts) as given to ``StepModel.stage_arrays``."""
 
     blocks: np.ndarray
+    quant: np.ndarray  # index into StepModel.precisions
+    weights: np.ndarray  # bytes
     alpha: np.ndarray
     comp: np.ndarray  # seconds; +inf where the stage does not fit
     gpu_used: np.ndarray  # bytes
     host_used: np.ndarray  # bytes
     status: np.ndarray  # STATUS_*
+    without_offload: np.ndarray  # some candidate precision holds the blocks with alpha = 0
 
 
 class StepModel:
@@ -124,12 +136,14 @@ class StepModel:
         self.num_nodes = len(inputs.nodes)
         self.num_blocks = model.num_blocks
         self.seq_len = workload.seq_len
-        self.weight_bytes = model.weight_bytes(dtype)
+        static = _static(inputs)
+        self.precisions: tuple[QuantType, ...] = static.precisions
+        self.allowed = static.allowed
+        self.weight_bytes = np.array([model.weight_bytes(dtype, quant) for quant in self.precisions])
         self.kv_bytes_token = model.kv_bytes_per_token(dtype)
         self.activation_bytes = model.activation_bytes(dtype)
         self.workspace_bytes_token = model.workspace_bytes(dtype)
 
-        static = _static(inputs)
         self.gpu_bytes = static.gpu_bytes
         self.host_bytes = static.host_bytes
         self.fixed_offload = static.fixed_offload
@@ -137,8 +151,9 @@ class StepModel:
         # what depends on b only is shared by every (B, M) with the same micro-batch size
         per_b = static.per_b.get(self.b)
         if per_b is None:
-            times = np.array([block_times(n.cost, self.b, self.seq_len) for n in inputs.nodes]).reshape(self.num_nodes, 3)
-            per_b = static.per_b[self.b] = (times[:, 0].copy(), times[:, 1].copy(), times[:, 2].copy(), self._hops(static))
+            times = np.array([[block_times(node.quant_cost(quant), self.b, self.seq_len) for node in inputs.nodes]
+                              for quant in self.precisions]).reshape(len(self.precisions), self.num_nodes, 3)
+            per_b = static.per_b[self.b] = (*(times[..., k].copy() for k in range(3)), self._hops(static))
         self.t_mlp, self.t_attn_gpu, self.t_attn_cpu, hops = per_b
         self.hop, self.hop_compressed, self.hop_wire_bytes = hops
         self.hop_bandwidth_mbps = static.bandwidth
@@ -148,12 +163,14 @@ class StepModel:
         # KV bytes of one block for the whole batch at the full context length
         self.kv_block = self.batch_size * self.seq_len * self.kv_bytes_token
         self.history_bytes = self.batch_size * self.seq_len * (self.activation_bytes + 1)
+        # the most compact candidate precision of each node: the one that says why nothing fits
+        self.compact = np.argmin(np.where(self.allowed, self.weight_bytes[:, None], np.inf), axis=0)
         self._comp_table: tuple[np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------------------- stages
 
     def stage_arrays(self, blocks: np.ndarray) -> StageArrays:
-        """alpha, T_comp, memory and status for node j holding blocks[j, ...] blocks.
+        """Precision, alpha, T_comp, memory and status for node j holding blocks[j, ...] blocks.
 
         ``blocks`` has shape (N,) or (N, K); row j belongs to node j. Elementwise and deterministic:
         the same (node, l) gives bit-identical results whatever the shape.
@@ -161,30 +178,45 @@ class StepModel:
         blocks = np.asarray(blocks)
         scalar = blocks.ndim == 1
         l = blocks.astype(np.float64).reshape(self.num_nodes, -1)
+        weights, kv, free, alpha, host_used, comp = self._per_precision(l)
+        without_offload = (np.isfinite(comp) & (alpha == 0)).any(axis=0) | (l == 0)
+        quant = self._choice(comp)
+        weights, free, alpha, host_used, comp = (np.take_along_axis(a, quant[None], axis=0)[0]
+                                                 for a in (weights, free, alpha, host_used, comp))
         col = (slice(None), None)
-        weights, kv, free, alpha = self._memory(l)
-        host_used = self._host_used(l, alpha, kv)
         gpu_used = weights + self.workspace[col] + (1.0 - alpha) * kv
         status = np.full(l.shape, STATUS_OK, dtype=np.int8)
         status[host_used > self.host_bytes[col]] = STATUS_HOST
         status[free < 0] = STATUS_GPU
         status[l == 0] = STATUS_OK
-        comp = np.where(status == STATUS_OK, l * self._per_block(alpha), np.inf)
-        comp[l == 0] = 0.0
         alpha = np.where(l == 0, 0.0, alpha)
-        out = StageArrays(blocks=l, alpha=alpha, comp=comp, gpu_used=gpu_used, host_used=host_used, status=status)
+        out = StageArrays(blocks=l, quant=quant, weights=weights, alpha=alpha, comp=comp, gpu_used=gpu_used,
+                          host_used=host_used, status=status, without_offload=without_offload)
         if scalar:
             out = StageArrays(**{k: v[:, 0] for k, v in out.__dict__.items()})
         return out
 
-    def _memory(self, l: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(weights, kv, free GPU bytes, offloaded KV fraction alpha) of node j holding l[j, ...] blocks."""
-        col = (slice(None), None)
-        weights = l * self.weight_bytes
+    def _per_precision(self, l: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(weights, kv, free GPU bytes, alpha, host bytes, T_comp) of node j holding l[j, ...] blocks in each
+        precision (axis 0 where the figure depends on it); T_comp is inf where the blocks do not fit or the
+        precision is not one of the node's, 0 for no blocks."""
+        col, per_quant = (slice(None), None), (slice(None), slice(None), None)
+        weights = l * self.weight_bytes[:, None, None]
         kv = l * self.kv_block
         free = self.gpu_bytes[col] - self.workspace[col] - weights
         needed = offload_fraction(free, kv, self.inputs.model.num_key_value_heads)
-        return weights, kv, free, np.where(np.isnan(self.fixed_offload[col]), needed, self.fixed_offload[col])
+        alpha = np.where(np.isnan(self.fixed_offload[col]), needed, self.fixed_offload[col])
+        host_used = self._host_used(l, alpha, kv)
+        fits = (free >= 0) & ~(host_used > self.host_bytes[col]) | (l == 0)
+        comp = np.where(fits & self.allowed[per_quant], l * self._per_block(alpha), np.inf)
+        return weights, kv, free, alpha, host_used, comp
+
+    def _choice(self, comp: np.ndarray) -> np.ndarray:
+        """Per (node, l): the precision with the least T_comp (the first, most precise, of equals), the node's most
+        compact one where none fits."""
+        fastest = np.argmin(comp, axis=0)
+        fits = np.isfinite(np.take_along_axis(comp, fastest[None], axis=0)[0])
+        return np.where(fits, fastest, self.compact[:, None])
 
     def _host_used(self, l: np.ndarray, alpha: np.ndarray, kv: np.ndarray) -> np.ndarray:
         """Host bytes of a node holding l blocks: the offloaded KV and, if it holds any, the sessions' output
@@ -192,8 +224,8 @@ class StepModel:
         return alpha * kv + np.where(l > 0, self.history_bytes, 0.0)
 
     def _per_block(self, alpha: np.ndarray) -> np.ndarray:
-        """T_comp of one block at offload fraction alpha (MLP on GPU, attention split GPU/CPU)."""
-        col = (slice(None), None)
+        """T_comp of one block at offload fraction alpha (MLP on GPU, attention split GPU/CPU), per precision."""
+        col = (slice(None), slice(None), None)
         return self.t_mlp[col] + (1.0 - alpha) * self.t_attn_gpu[col] + alpha * self.t_attn_cpu[col]
 
     def table(self) -> StageArrays:
@@ -204,9 +236,7 @@ class StepModel:
     def capacity(self, table: StageArrays | None = None, offload: bool = True) -> np.ndarray:
         """The most blocks each node can hold (feasibility is monotone in l); without offloading if asked."""
         table = table if table is not None else self.table()
-        ok = table.status == STATUS_OK
-        if not offload:
-            ok &= table.alpha == 0
+        ok = (table.status == STATUS_OK) & (offload | table.without_offload)
         # ok is True for a prefix 0..cap of each row
         return np.argmin(np.concatenate([ok, np.zeros((self.num_nodes, 1), bool)], axis=1), axis=1) - 1
 
@@ -216,9 +246,11 @@ class StepModel:
         status = int(arrays.status[node])
         spec = self.inputs.nodes[node]
         if status == STATUS_GPU:
+            quant = self.precisions[int(arrays.quant[node])]
+            kept = "" if quant == "none" else f"{quant} "
             return (
-                f"GPU memory: {blocks} block{'' if blocks == 1 else 's'} of weights ({blocks * self.weight_bytes / GIB:.2f} GiB) + workspace "
-                f"({self.workspace[node] / GIB:.2f} GiB) exceed {spec.gpu_memory_gib:g} GiB"
+                f"GPU memory: {blocks} block{'' if blocks == 1 else 's'} of {kept}weights "
+                f"({arrays.weights[node] / GIB:.2f} GiB) + workspace ({self.workspace[node] / GIB:.2f} GiB) exceed {spec.gpu_memory_gib:g} GiB"
             )
         if status == STATUS_HOST:
             kv = blocks * self.kv_block
@@ -256,15 +288,12 @@ class StepModel:
         return hop, use, wire
 
     def comp_table(self) -> tuple[np.ndarray, np.ndarray]:
-        """(comp, caps) for the DP: comp[j, l] = T_comp of node j holding l = 0..L blocks (inf where
-        it does not fit), computed exactly as ``stage_arrays`` does; caps[j] = the most blocks j holds."""
+        """(comp, caps) for the DP: comp[j, l] = T_comp of node j holding l = 0..L blocks in its best precision (inf
+        where it does not fit), computed exactly as ``stage_arrays`` does; caps[j] = the most blocks j holds."""
         if self._comp_table is None:
-            l = np.arange(self.num_blocks + 1, dtype=np.float64)[None, :]
-            _, kv, free, alpha = self._memory(l)
-            fits = (free >= 0) & ~(self._host_used(l, alpha, kv) > self.host_bytes[:, None])
-            fits[:, 0] = True
-            comp = np.where(fits, l * self._per_block(alpha), np.inf)
-            comp[:, 0] = 0.0
+            l = np.broadcast_to(np.arange(self.num_blocks + 1, dtype=np.float64), (self.num_nodes, self.num_blocks + 1))
+            comp = self._per_precision(l)[-1].min(axis=0)
+            fits = np.isfinite(comp)
             caps = np.argmin(np.concatenate([fits, np.zeros((self.num_nodes, 1), bool)], axis=1), axis=1) - 1
             self._comp_table = (comp, caps)
         return self._comp_table
@@ -281,6 +310,8 @@ class _Static:
     """What does not depend on (B, M): node memory and the links between every pair of machines."""
 
     names: list[str]
+    precisions: tuple[QuantType, ...]  # those some node may get, most precise first
+    allowed: np.ndarray  # [precision, node]: one of the node's candidates
     gpu_bytes: np.ndarray
     host_bytes: np.ndarray
     reserved_bytes: np.ndarray
@@ -341,8 +372,11 @@ def _static(inputs: PlanInputs) -> _Static:
     d_speed = np.array([c.decompress_mb_per_s * 1e6 if c is not None else np.nan for c in codecs])[None, :]
     both = has[:, None] & has[None, :] & ~np.eye(size, dtype=bool)
     nodes = inputs.nodes
+    precisions = inputs.quant_types_in_play
     static = _Static(
         names=names,
+        precisions=precisions,
+        allowed=np.array([[quant in choices for choices in inputs.quant_choices] for quant in precisions]),
         gpu_bytes=np.array([n.gpu_memory_gib * GIB for n in nodes]),
         host_bytes=np.array([n.host_memory_gib * GIB for n in nodes]),
         reserved_bytes=np.array([n.reserved_gib * GIB for n in nodes]),
@@ -357,8 +391,8 @@ def _static(inputs: PlanInputs) -> _Static:
         call_s=call_s,
         both=both,
     )
-    for array in (static.gpu_bytes, static.host_bytes, static.reserved_bytes, static.fixed_offload, bandwidth, latency,
-                  rate, static.lat_s):
+    for array in (static.allowed, static.gpu_bytes, static.host_bytes, static.reserved_bytes, static.fixed_offload,
+                  bandwidth, latency, rate, static.lat_s):
         array.setflags(write=False)
     _STATIC_CACHE[key] = (weakref.ref(inputs, lambda _, key=key: _STATIC_CACHE.pop(key, None)), static)
     return static

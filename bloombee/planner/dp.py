@@ -10,10 +10,13 @@ times) plus (M - 1) times the slowest of those times C, the makespan of M identi
 through the chain's resources in order (the event simulation's, before cores are shared).
 
 Indices: j and p are nodes, k the number of blocks placed so far (0..L), l the blocks of one stage,
-comp[j, l] a stage's compute time (inf where it does not fit), hop[p, j] the hop time from p to j
-(the client is both the first sender and the last receiver). ``op`` combines the times along a
-placement: + for S, max for C. State (k, j): blocks [0, k) placed, node j the last stage, ending at
-block k; its value excludes j's outgoing hop, known only once the next node is chosen.
+comp[j, l] a stage's compute time (inf where it does not fit) in node j's best weight precision for l
+blocks (``StepModel.comp_table``: a precision changes only its own stage's time and memory, and the
+step time grows with every stage's time, so the best precision per stage is part of an optimum),
+hop[p, j] the hop time from p to j (the client is both the first sender and the last receiver).
+``op`` combines the times along a placement: + for S, max for C. State (k, j): blocks [0, k) placed,
+node j the last stage, ending at block k; its value excludes j's outgoing hop, known only once the
+next node is chosen.
 
     arrive[0, j] = hop[client, j]
     arrive[k, j] = min_{p < j} op(F[k, p], hop[p, j])                          (k > 0)

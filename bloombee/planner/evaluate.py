@@ -25,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from bloombee.weight_formats import QuantType
+
 from .costs import STATUS_OK, StepModel
 from .inputs import CLIENT, PlanInputs
 
@@ -57,6 +59,9 @@ class StageResult:
     hop: HopResult | None  # outgoing hop (None for a skipped node)
     fits: bool
     problem: str = ""
+    quant_type: QuantType | None = None  # the precision of its weights (None for a skipped node)
+    weight_bytes: float = 0.0  # its blocks' weights on the device
+    borrowed_cost: bool = False  # its precision is timed by the node's cost at another (no quant_costs entry)
 
     @property
     def active(self) -> bool:
@@ -91,6 +96,11 @@ class Evaluation:
     @property
     def alphas(self) -> list[float]:
         return [s.alpha for s in self.stages]
+
+    @property
+    def quant_types(self) -> list[QuantType | None]:
+        """Per node, the precision of its weights (None for a skipped node)."""
+        return [s.quant_type for s in self.stages]
 
     @property
     def active_stages(self) -> list[StageResult]:
@@ -171,6 +181,7 @@ def evaluate(
     successor = {a: b for a, b in zip(active, active[1:] + [model.client])}
     for j, spec in enumerate(inputs.nodes):
         fits = int(arrays.status[j]) == STATUS_OK
+        quant = model.precisions[int(arrays.quant[j])] if blocks[j] else None
         problem = "" if fits else model.explain_capacity(j, blocks[j])
         if problem:
             problems.append(f"node '{spec.name}' cannot hold {blocks[j]} blocks: {problem}")
@@ -190,6 +201,9 @@ def evaluate(
                 hop=hop(j, successor[j]) if j in successor else None,
                 fits=fits,
                 problem=problem,
+                quant_type=quant,
+                weight_bytes=float(arrays.weights[j]),
+                borrowed_cost=quant is not None and spec.borrows_cost(quant),
             )
         )
         start += blocks[j]

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bloombee.weight_formats import QUANT_TYPES, QuantType, linear_weight_bytes
+
 GIB = float(1 << 30)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -42,7 +44,9 @@ class ModelSpec(_Strict):
     """The transformer's shapes as the planner needs them.
 
     Either give the byte figures directly or the shapes they follow from; sizes in bytes use the
-    workload's dtype. ``bloombee-plan --model`` fills this section from a model config.
+    workload's dtype. ``bloombee-plan --model`` fills this section from a model config. Quantised
+    weights (int8, nf4) shrink only the blocks' nn.Linear weights: planning them needs
+    ``linear_params_per_block`` (and, for int8's per-row scales, ``linear_rows_per_block``).
     """
 
     name: str = "model"
@@ -50,6 +54,11 @@ class ModelSpec(_Strict):
     hidden_size: int = Field(ge=1, description="H")
     params_per_block: int | None = Field(None, ge=1, description="parameters of one block (x dtype size = weight bytes)")
     weight_bytes_per_block: int | None = Field(None, ge=1, description="overrides params_per_block x dtype size")
+    linear_params_per_block: int | None = Field(
+        None, ge=0, description="weights of the block's nn.Linear layers (the part int8 / nf4 shrink; biases and norms "
+        "stay in the dtype)"
+    )
+    linear_rows_per_block: int | None = Field(None, ge=0, description="output rows of those layers (int8's scales)")
     num_key_value_heads: int | None = Field(None, ge=1)
     head_dim: int | None = Field(None, ge=1)
     kv_bytes_per_token_per_block: int | None = Field(
@@ -70,10 +79,38 @@ class ModelSpec(_Strict):
                 "kv_bytes_per_token_per_block: give kv_bytes_per_token_per_block "
                 "or both num_key_value_heads and head_dim"
             )
+        if (self.linear_params_per_block is not None and self.params_per_block is not None
+                and self.linear_params_per_block > self.params_per_block):
+            raise ValueError("linear_params_per_block: exceeds params_per_block")
         return self
 
-    def weight_bytes(self, dtype: str) -> float:
-        return _given_or_sized(self.weight_bytes_per_block, (self.params_per_block,), dtype)
+    def weight_bytes(self, dtype: str, quant: QuantType = "none") -> float:
+        """Bytes of one block's weights on the device, its nn.Linear weights kept in `quant`."""
+        dense = _given_or_sized(self.weight_bytes_per_block, (self.params_per_block,), dtype)
+        if quant == "none":
+            return dense
+        problem = self.quant_problem(dtype, quant)
+        if problem:
+            raise PlanInputError(problem)
+        linear, dtype_bytes = self.linear_params_per_block, DTYPE_BYTES[dtype]
+        quantised = linear_weight_bytes(linear, self.linear_rows_per_block or 0, quant, dtype_bytes)
+        return dense - linear * dtype_bytes + quantised
+
+    def quant_problem(self, dtype: str, quant: QuantType) -> str:
+        """Why this section cannot size blocks kept in `quant` ('' if it can)."""
+        if quant == "none":
+            return ""
+        if self.linear_params_per_block is None:
+            return (f"model.linear_params_per_block: the model section needs linear_params_per_block (the weights of a "
+                    f"block's nn.Linear layers) to plan quantised ({quant}) nodes; --model fills it")
+        if quant == "int8" and self.linear_rows_per_block is None:
+            return ("model.linear_rows_per_block: the model section needs linear_rows_per_block (the output rows of a "
+                    "block's nn.Linear layers, one int8 scale each) to plan int8 nodes; --model fills it")
+        dense = _given_or_sized(self.weight_bytes_per_block, (self.params_per_block,), dtype)
+        if self.linear_params_per_block * DTYPE_BYTES[dtype] > dense:
+            return (f"model.linear_params_per_block: {self.linear_params_per_block} weights of {dtype} exceed the "
+                    f"block's {dense:.0f} bytes of weights")
+        return ""
 
     def kv_bytes_per_token(self, dtype: str) -> float:
         return _given_or_sized(self.kv_bytes_per_token_per_block, (2, self.num_key_value_heads, self.head_dim), dtype)
@@ -102,6 +139,10 @@ class WorkloadSpec(_Strict):
     compression: Literal["auto", "on", "off"] = Field(
         "auto", description="auto: compress a hop where it pays; on: wherever both ends have a codec; off: never"
     )
+    quant: list[QuantType] = Field(
+        default_factory=lambda: ["none"], min_length=1,
+        description="weight precisions the planner may give a node (a node's fixed quant_type wins)"
+    )
 
     @field_validator("batch_sizes", "micro_batches")
     @classmethod
@@ -109,6 +150,12 @@ class WorkloadSpec(_Strict):
         if any(v < 1 for v in values):
             raise ValueError("every entry must be >= 1")
         return sorted(set(values))
+
+    @field_validator("quant")
+    @classmethod
+    def _known_order(cls, values: list[QuantType]) -> list[QuantType]:
+        """Without repeats, most precise first (the order ties between precisions go by)."""
+        return [quant for quant in QUANT_TYPES if quant in values]
 
 
 # ----------------------------------------------------------------------------------------- cost model
@@ -263,10 +310,27 @@ class NodeSpec(_Strict):
     reserved_gib: float = Field(1.0, ge=0, description="GPU memory not available to the planner (CUDA context, allocator)")
     offload: float | None = Field(None, ge=0, le=1, description="the KV fraction this node keeps in host memory when "
                                   "it is fixed (a running server's); default: the smallest that fits")
-    cost: BlockCost
+    cost: BlockCost = Field(description="one block at the node's own precision (quant_type, else none)")
+    quant_type: QuantType | None = Field(None, description="the precision the node's blocks are fixed in (a running "
+                                         "server's); default: the planner chooses among workload.quant")
+    quant_costs: dict[QuantType, BlockCost] = Field(
+        default_factory=dict, description="one block at other precisions; a precision not here is timed by `cost`"
+    )
     link: LinkSpec
     compression: CompressionSpec | None = None
     cpu: CpuShare | None = None
+
+    def quant_choices(self, allowed: list[QuantType]) -> tuple[QuantType, ...]:
+        """The precisions the planner may give this node: its fixed one, else the allowed ones."""
+        return (self.quant_type,) if self.quant_type is not None else tuple(allowed)
+
+    def quant_cost(self, quant: QuantType) -> BlockCost:
+        """The cost of one block kept in `quant`: measured in quant_costs, else the node's own `cost`."""
+        return self.quant_costs.get(quant, self.cost)
+
+    def borrows_cost(self, quant: QuantType) -> bool:
+        """Whether `quant` is timed by the node's cost at another precision (nothing measured at it)."""
+        return quant not in self.quant_costs and quant != (self.quant_type or "none")
 
 
 class NodeProfile(NodeSpec):
@@ -324,6 +388,14 @@ class PlanInputs(_Strict):
                     raise ValueError(f"link_matrix.names[{i}]: unknown machine '{value}' (known: {sorted(known)})")
         return self
 
+    @model_validator(mode="after")
+    def _quantised_sizes(self) -> "PlanInputs":
+        for quant in self.quant_types_in_play:
+            problem = self.model.quant_problem(self.workload.dtype, quant)
+            if problem:
+                raise ValueError(problem)
+        return self
+
     # --- convenience -------------------------------------------------------------------------
 
     @property
@@ -333,6 +405,17 @@ class PlanInputs(_Strict):
     @property
     def node_names(self) -> list[str]:
         return [node.name for node in self.nodes]
+
+    @property
+    def quant_choices(self) -> list[tuple[QuantType, ...]]:
+        """Per node, the precisions the planner may give it (most precise first)."""
+        return [node.quant_choices(self.workload.quant) for node in self.nodes]
+
+    @property
+    def quant_types_in_play(self) -> tuple[QuantType, ...]:
+        """The precisions some node may get, most precise first."""
+        used = {quant for choices in self.quant_choices for quant in choices}
+        return tuple(quant for quant in QUANT_TYPES if quant in used)
 
     @classmethod
     def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "PlanInputs":

@@ -14,8 +14,12 @@ Parameter shapes per block, for the llama-style families (llama, mistral, mixtra
   has ``num_local_experts`` such MLPs plus the router  H x E;
 - norms: two RMSNorms of H.
 
+The nn.Linear layers among them (q, k, v, o, gate, up, down, each expert's and the router) are what
+int8 / nf4 quantisation shrinks: their weights and output rows give ``linear_params_per_block`` and
+``linear_rows_per_block`` (biases and norms stay in the dtype).
+
 Any other family is sized by building one block of it on PyTorch's meta device (no memory, no
-weights) and counting its parameters.
+weights) and counting its parameters and its nn.Linear layers' weights and rows.
 """
 
 from __future__ import annotations
@@ -61,14 +65,16 @@ def model_section_from_config(config: Any, name: str | None = None) -> dict[str,
     intermediate = _first(config, "intermediate_size", "ffn_hidden_size", "n_inner") or 4 * hidden
     model_type = getattr(config, "model_type", "") or ""
     if model_type in LLAMA_STYLE:
-        params = llama_style_block_params(config)
+        params, (linear, rows) = llama_style_block_params(config), llama_style_block_linears(config)
     else:
-        params = meta_block_params(config)
+        params, linear, rows = meta_block_counts(config)
     return {
         "name": name or getattr(config, "_name_or_path", None) or model_type or "model",
         "num_blocks": int(layers),
         "hidden_size": int(hidden),
         "params_per_block": int(params),
+        "linear_params_per_block": int(linear),
+        "linear_rows_per_block": int(rows),
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(head_dim),
         "intermediate_size": int(intermediate),
@@ -107,8 +113,30 @@ def llama_style_block_params(config: Any) -> int:
     return attention + mlp + norms
 
 
+def llama_style_block_linears(config: Any) -> tuple[int, int]:
+    """(weights, output rows) of one llama-style block's nn.Linear layers, from the config's shapes."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q_out, kv_out = heads * head_dim, _kv_heads(config, heads) * head_dim
+    weights = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    rows = q_out + 2 * kv_out + hidden
+    intermediate = config.intermediate_size
+    experts = getattr(config, "num_local_experts", None) or 0
+    copies = max(experts, 1)
+    weights += copies * 3 * hidden * intermediate + hidden * experts  # gate, up, down (per expert), the router
+    rows += copies * (2 * intermediate + hidden) + experts
+    return weights, rows
+
+
 def meta_block_params(config: Any) -> int:
     """Parameters of one block, counted on a 2-block copy of the model built on the meta device."""
+    return meta_block_counts(config)[0]
+
+
+def meta_block_counts(config: Any) -> tuple[int, int, int]:
+    """(parameters, nn.Linear weights, their output rows) of one block, counted on a 2-block copy of the model built
+    on the meta device."""
     try:
         import copy  # noqa: PLC0415
 
@@ -127,7 +155,9 @@ def meta_block_params(config: Any) -> int:
             if isinstance(module, torch.nn.ModuleList) and len(module) == 2:
                 count = sum(p.numel() for p in module[0].parameters())
                 if count > 0:
-                    return int(count)
+                    linears = [m for m in module[0].modules() if isinstance(m, torch.nn.Linear)]
+                    return (int(count), sum(m.weight.numel() for m in linears),
+                            sum(m.out_features for m in linears))
     except Exception as exc:  # noqa: BLE001
         raise ModelConfigError(
             f"cannot size one block of model type '{getattr(config, 'model_type', '?')}': {exc}; "

@@ -1,10 +1,27 @@
-"""From plans to servers and back: a node's block range in a plan, a swarm's ranges as an assignment."""
+"""From plans to servers and back: a node's range and weight precision in a plan, a swarm's ranges as an assignment."""
 
 from typing import Any
+
+from bloombee.weight_formats import QuantType, parse_quant_type
 
 
 def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
     """Blocks [start, end) and KV offload fraction of `node` in a `bloombee-plan --json` report."""
+    index = _serving_index(report, node)
+    assignment = report["plan"]["assignment"]
+    start = sum(assignment[:index])
+    return start, start + assignment[index], float(report["plan"]["alphas"][index])
+
+
+def node_quant_type(report: dict[str, Any], node: str) -> QuantType:
+    """The precision the plan keeps `node`'s block weights in (`none` in a plan from before precisions were planned)."""
+    index = _serving_index(report, node)
+    quant_types = report["plan"].get("quant_types")
+    return parse_quant_type(quant_types[index]) if quant_types else "none"
+
+
+def _serving_index(report: dict[str, Any], node: str) -> int:
+    """The position of `node` in a feasible plan report that gives it blocks (ValueError saying what is wrong)."""
     if not report.get("feasible", True) or "plan" not in report:
         raise ValueError(f"the plan file holds no feasible plan: {report.get('reason', 'no plan section')}")
     names, assignment = report["nodes"], report["plan"]["assignment"]
@@ -13,8 +30,7 @@ def node_range(report: dict[str, Any], node: str) -> tuple[int, int, float]:
     index = names.index(node)
     if assignment[index] == 0:
         raise ValueError(f"the plan gives node {node!r} no blocks (it is skipped); do not start it, or plan again")
-    start = sum(assignment[:index])
-    return start, start + assignment[index], float(report["plan"]["alphas"][index])
+    return index
 
 
 def plan_schedule(report: dict[str, Any]) -> tuple[int, int]:

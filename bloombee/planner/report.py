@@ -6,9 +6,9 @@ from collections.abc import Mapping
 
 from .baselines import BaselineResult
 from .evaluate import Evaluation, HopResult, StageResult
-from .inputs import CpuShare, PlanInputs
+from .inputs import GIB, CpuShare, PlanInputs
 from .schedule import simulate
-from .search import Plan
+from .search import Plan, PrecisionOption, compare_precisions
 
 
 def _ms(seconds: float) -> str:
@@ -33,6 +33,8 @@ def model_summary(inputs: PlanInputs) -> dict:
         "hidden_size": model.hidden_size,
         "dtype": dtype,
         "weight_bytes_per_block": model.weight_bytes(dtype),
+        "weight_bytes_per_block_by_quant": {quant: model.weight_bytes(dtype, quant)
+                                            for quant in inputs.quant_types_in_play},
         "kv_bytes_per_token_per_block": model.kv_bytes_per_token(dtype),
         "activation_bytes_per_token": model.activation_bytes(dtype),
         "workspace_bytes_per_token": model.workspace_bytes(dtype),
@@ -58,9 +60,12 @@ def _memory(used: float, capacity: float) -> str:
 def model_line(inputs: PlanInputs) -> str:
     """The report's first line: the model's sizes per block in the workload's dtype, the context and the nodes."""
     model, wl = model_summary(inputs), inputs.workload
+    quantised = [f"{quant} {size_text(size)}" for quant, size in model["weight_bytes_per_block_by_quant"].items()
+                 if quant != "none"]
     return (f"model {model['name']}: {model['num_blocks']} blocks, {size_text(model['weight_bytes_per_block'])} of "
             f"weights and {size_text(model['kv_bytes_per_token_per_block'])} of KV per token per block ({wl.dtype}); "
-            f"context {wl.seq_len}; {len(inputs.nodes)} nodes in pipeline order")
+            + (f"{', '.join(quantised)} of weights per block; " if quantised else "")
+            + f"context {wl.seq_len}; {len(inputs.nodes)} nodes in pipeline order")
 
 
 def stage_table(evaluation: Evaluation, devices: dict[str, str] | None = None) -> list[str]:
@@ -68,8 +73,9 @@ def stage_table(evaluation: Evaluation, devices: dict[str, str] | None = None) -
     wide as their widest entry, so nothing is cut."""
     devices = devices or {}
     rows = [_stage_cells(stage, devices.get(stage.node, "")) for stage in evaluation.stages]
-    client = ["client", "", "", "", "", "", "", _ms(evaluation.client_hop.time_s), _next_hop(evaluation.client_hop)]
-    header = ["node", "device", "blocks", "alpha", "device mem", "host KV", "T_comp ms", "T_comm ms", "next hop"]
+    client = ["client", "", "", "", "", "", "", "", _ms(evaluation.client_hop.time_s), _next_hop(evaluation.client_hop)]
+    header = ["node", "device", "blocks", "weights", "alpha", "device mem", "host KV", "T_comp ms", "T_comm ms",
+              "next hop"]
     widths = [max(len(row[i]) for row in [header, client, *rows]) for i in range(len(header) - 1)]
     marks = [_is_bottleneck(evaluation, stage) for stage in evaluation.stages]
     bottleneck = evaluation.bottleneck or ""
@@ -87,10 +93,25 @@ def _row(cells: list[str], widths: list[int], mark: str) -> str:
 
 def _stage_cells(stage: StageResult, device: str) -> list[str]:
     if not stage.active:
-        return [stage.node, device, "skipped", "", "", "", "", "", ""]
-    return [stage.node, device, f"{stage.start}:{stage.end} ({stage.blocks})", f"{stage.alpha:.2f}",
+        return [stage.node, device, "skipped", "", "", "", "", "", "", ""]
+    return [stage.node, device, f"{stage.start}:{stage.end} ({stage.blocks})", _weights(stage), f"{stage.alpha:.2f}",
             _memory(stage.gpu_used_bytes, stage.gpu_capacity_bytes), _memory(stage.host_used_bytes, stage.host_capacity_bytes),
             _ms(stage.t_comp_s), _ms(stage.t_comm_s), _next_hop(stage.hop)]
+
+
+def _weights(stage: StageResult) -> str:
+    """A stage's weights: their precision and size on the device."""
+    return f"{stage.quant_type} {size_text(stage.weight_bytes)}"
+
+
+def borrowed_cost_lines(evaluation: Evaluation) -> list[str]:
+    """A note per precision timed by nodes' costs at another (no quant_costs entry for it)."""
+    borrowed: dict[str, list[str]] = {}
+    for stage in evaluation.active_stages:
+        if stage.borrowed_cost:
+            borrowed.setdefault(stage.quant_type, []).append(stage.node)
+    return [f"  ({quant} on {', '.join(nodes)}: no quant_costs.{quant} measured, timed by the node's own cost)"
+            for quant, nodes in borrowed.items()]
 
 
 def _next_hop(hop: HopResult) -> str:
@@ -128,8 +149,8 @@ def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineRes
     throughput = simulated_throughput(ev, simulated_s)
     lines = [model_line(inputs), ""]
     lines += stage_table(ev, {node.name: node.gpu or "" for node in inputs.nodes})
+    lines += ["  (* bottleneck)", *borrowed_cost_lines(ev)]
     lines += [
-        "  (* bottleneck)",
         "",
         (f"chosen: batch size B={plan.batch_size}, M={plan.micro_batches} micro-batch(es) of {plan.micro_batch_size}, "
          f"{ev.num_active} active stage(s), assignment {plan.assignment}"),
@@ -141,9 +162,44 @@ def text_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineRes
     lines.append("compression on: " + (", ".join(compressed) if compressed else "no hop (it does not pay on these links)"))
     lines += ["", "baselines (each at its best candidate B, M by the closed form; tokens/s over its simulated step):"]
     lines += _baseline_lines(baselines, throughput, cpus)
+    if len(inputs.workload.quant) > 1:
+        lines += ["", "precision comparison (each allowed precision alone, then all; tokens/s, simulated step):"]
+        lines += [_precision_line(row) for row in precision_rows(inputs, plan, cpus)]
     lines += ["", "closed-form tokens/s per candidate, what the DP compared (rows B, columns M; - infeasible):"]
     lines += _candidate_grid(plan)
     return "\n".join(lines)
+
+
+def precision_rows(inputs: PlanInputs, plan: Plan, cpus: Mapping[str, CpuShare] | None = None) -> list[dict]:
+    """Per allowed precision alone and for all of them: nodes used, hops, weights per node and tokens/s (over the
+    simulated step), or why nothing fits."""
+    return [_precision_row(option, cpus) for option in compare_precisions(inputs, plan)]
+
+
+def _precision_row(option: PrecisionOption, cpus: Mapping[str, CpuShare] | None) -> dict:
+    if option.plan is None:
+        return {"quant": option.quant, "feasible": False, "reason": option.reason}
+    ev = option.plan.evaluation
+    return {
+        "quant": option.quant,
+        "feasible": True,
+        "nodes_used": ev.num_active,
+        "hops": ev.num_active + 1,
+        "weights_gib": {s.node: s.weight_bytes / GIB for s in ev.active_stages},
+        "quant_types": {s.node: s.quant_type for s in ev.active_stages},
+        "throughput_tokens_per_s": simulated_throughput(ev, simulate(ev, cpus)[1]),
+        "batch_size": ev.batch_size,
+        "micro_batches": ev.micro_batches,
+    }
+
+
+def _precision_line(row: dict) -> str:
+    label = f"  {','.join(row['quant']):<14}"
+    if not row["feasible"]:
+        return f"{label} infeasible: {row['reason']}"
+    weights = ", ".join(f"{node} {gib:.2f} GiB {row['quant_types'][node]}" for node, gib in row["weights_gib"].items())
+    return (f"{label} {row['throughput_tokens_per_s']:8.1f} tokens/s  {row['nodes_used']} node(s), {row['hops']} hops, "
+            f"B={row['batch_size']} M={row['micro_batches']}; weights per node: {weights}")
 
 
 def _baseline_lines(baselines: dict[str, BaselineResult], throughput: float,
@@ -196,4 +252,5 @@ def json_report(inputs: PlanInputs, plan: Plan, baselines: dict[str, BaselineRes
         "plan": plan.to_dict(),
         "compressed_hops": [f"{h.src}->{h.dst}" for h in _hops(plan.evaluation) if h.compressed],
         "baselines": {name: result.to_dict() for name, result in baselines.items()},
+        **({"precision_comparison": precision_rows(inputs, plan, cpus)} if len(inputs.workload.quant) > 1 else {}),
     }

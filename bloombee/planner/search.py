@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from bloombee.weight_formats import QuantType
+
 from .costs import StepModel, micro_batch_size
 from .dp import Solution, solve
 from .evaluate import Evaluation, evaluate
@@ -34,6 +38,7 @@ class Plan:
     alphas: list[float]
     throughput: float
     evaluation: Evaluation
+    quant_types: list[QuantType | None] = field(default_factory=list)  # per node; None where it is skipped
     candidates: list[Candidate] = field(default_factory=list)
     solve_seconds: float = 0.0
 
@@ -48,6 +53,7 @@ class Plan:
             "micro_batches": self.micro_batches,
             "micro_batch_size": self.micro_batch_size,
             "alphas": self.alphas,
+            "quant_types": self.quant_types,
             "throughput_tokens_per_s": self.throughput,
             "solve_seconds": self.solve_seconds,
             "evaluation": self.evaluation.to_dict(),
@@ -113,9 +119,31 @@ def plan_from(inputs: PlanInputs, solution: Solution, model: StepModel, candidat
         alphas=evaluation.alphas,
         throughput=evaluation.throughput,
         evaluation=evaluation,
+        quant_types=evaluation.quant_types,
         candidates=candidates,
         solve_seconds=solve_seconds,
     )
+
+
+@dataclass
+class PrecisionOption:
+    """The best plan when the nodes may keep their weights in `quant` (nodes with a fixed precision keep theirs)."""
+
+    quant: list[QuantType]
+    plan: Plan | None
+    reason: str = ""
+
+
+def compare_precisions(inputs: PlanInputs, best: Plan) -> list[PrecisionOption]:
+    """The best plan with each allowed precision alone, then with all of them (`best`, the plan of `inputs`)."""
+    options = []
+    for quant in inputs.workload.quant:
+        alone = inputs.model_copy(update={"workload": inputs.workload.model_copy(update={"quant": [quant]})})
+        try:
+            options.append(PrecisionOption([quant], plan(alone)))
+        except PlanInfeasibleError as exc:
+            options.append(PrecisionOption([quant], None, str(exc)))
+    return options + [PrecisionOption(list(inputs.workload.quant), best)]
 
 
 def capacity_report(model: StepModel) -> str:
@@ -145,12 +173,13 @@ def infeasible_message(inputs: PlanInputs) -> str:
             f"batch size {inputs.workload.batch_sizes}"
         )
     model = StepModel(inputs, batch, micro)
-    weight_gib = model.weight_bytes / GIB
+    compact = int(np.argmin(model.weight_bytes))
+    kept = "" if model.precisions[compact] == "none" else f" in {model.precisions[compact]}"
     lines = [f"no feasible plan for any candidate batch size / micro-batch count: {capacity_report(model)}."]
     if all(model.explain_capacity(j, 1).startswith("GPU memory") for j in range(model.num_nodes)):
         lines.append(
-            f"The binding constraint is GPU memory: one block's weights ({weight_gib:.2f} GiB) plus workspace do not "
-            "fit any node."
+            f"The binding constraint is GPU memory: one block's weights{kept} ({model.weight_bytes[compact] / GIB:.2f} "
+            "GiB) plus workspace do not fit any node."
         )
     else:
         binding = {model.explain_capacity(j, int(c) + 1).split(":")[0] for j, c in enumerate(model.capacity()) if c < model.num_blocks}

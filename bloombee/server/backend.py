@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.models.core.offload import host_kv_heads
+from bloombee.models.core.quantize import module_weight_bytes
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.protocol import ErrorKind, InvalidStep
 from bloombee.server.memory import SessionBytes
@@ -40,6 +41,7 @@ class BlockBackend:
         self.hidden_size = stack.config.hidden_size
         self.offload = offload  # fraction of each block's KV heads that sessions keep in host memory
         self.pruner = pruner  # the proxy head and keep classifier for the hidden states after block `end`
+        self.weight_bytes = module_weight_bytes(stack)  # the hosted blocks' weights on the device, scales included
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -47,10 +49,6 @@ class BlockBackend:
                 f"blocks [{start_block}, {end_block}) are not inside this server's range [{self.start}, {self.end})"
             )
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the hosted blocks' parameters."""
-        return sum(p.numel() * p.element_size() for p in self.stack.parameters())
 
     def session_bytes(self, start_block: int, end_block: int, batch_size: int, max_length: int,
                       offload: float | None = None) -> SessionBytes:

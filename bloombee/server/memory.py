@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from bloombee.models.core.quantize import planned_weight_bytes
+from bloombee.weight_formats import QuantType
+
 logger = logging.getLogger(__name__)
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -66,6 +69,26 @@ def default_budgets(device: torch.device, device_memory: str, host_memory: str) 
     if device.type == "cuda":
         return int(DEVICE_SHARE * torch.cuda.get_device_properties(device).total_memory), host
     return host, host
+
+
+def blocks_that_fit(config, dtype: torch.dtype, quant: QuantType, room: int, cache_tokens: int) -> int:
+    """How many of the model's blocks fit in `room` bytes with their weights in `quant` and, on the device, a KV cache
+    of `cache_tokens` tokens each; WeightsDoNotFit when not even one does."""
+    from bloombee.models import family_for_config
+
+    family = family_for_config(config)
+    block_config = family.block_config(config, 0)
+    with torch.device("meta"):
+        block = family.block_class(block_config, 0)
+    weights = planned_weight_bytes(block, quant, dtype.itemsize)
+    kv = 2 * cache_tokens * block_config.num_kv_heads * block_config.head_dim * dtype.itemsize
+    count = min(room // (weights + kv), config.num_hidden_layers)
+    if count < 1:
+        raise WeightsDoNotFit(f"one block with the KV cache of --cache-tokens {cache_tokens} takes "
+                              f"{format_bytes(weights + kv)} in {quant} weights, more than the {format_bytes(room)} of "
+                              f"--device-memory it may use; give more device memory, fewer --cache-tokens or a "
+                              f"smaller --quant-type")
+    return int(count)
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ import torch
 from bloombee import codec
 from bloombee.host import cpu_share, latency_ms
 from bloombee.loading import load_block_stack, resolve_model
+from bloombee.models.core.quantize import check_supported
 from bloombee.planner import NodeSpec
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
 from bloombee.measure_cache import CACHE_DIR, cached
 from bloombee.server.memory import CUDA_RESERVED, default_budgets
+from bloombee.weight_formats import QuantType
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +111,20 @@ def _codec_figures(hidden: torch.Tensor) -> dict:
 
 
 def cached_profile(key: str, measure: Callable[[], dict], name: str, link_mbps: float, device: torch.device,
-                   memory: tuple[int, int], cache_path: Path = CACHE_DIR / "profiles.json") -> dict:
+                   memory: tuple[int, int], quant_type: QuantType,
+                   cache_path: Path = CACHE_DIR / "profiles.json") -> dict:
     """The planner node of this server: what `measure()` returns (measured once per `key`) as `planner_node`."""
-    return planner_node(cached(cache_path, f"{key}|v{PROFILE_VERSION}", measure), name, link_mbps, device, memory)
+    return planner_node(cached(cache_path, f"{key}|v{PROFILE_VERSION}", measure), name, link_mbps, device, memory,
+                        quant_type)
 
 
-def planner_node(measured: dict, name: str, link_mbps: float, device: torch.device, memory: tuple[int, int]) -> dict:
+def planner_node(measured: dict, name: str, link_mbps: float, device: torch.device, memory: tuple[int, int],
+                 quant_type: QuantType | None = None) -> dict:
     """A planner node: `measure_profile`'s figures, named, with its link (and the latency its host measured), its
-    (device, host) memory budgets in bytes and, on a CPU, the machine and cores its compute shares with other nodes
-    there and what messages cost it."""
-    node = {**measured, "name": name,
+    (device, host) memory budgets in bytes, the precision its weights are fixed in (a server's; None: the planner
+    chooses) and, on a CPU, the machine and cores its compute shares with other nodes there and what messages cost
+    it."""
+    node = {**measured, "name": name, **({"quant_type": quant_type} if quant_type else {}),
             "link": {"uplink_mbps": link_mbps, "downlink_mbps": link_mbps, "latency_ms": latency_ms()},
             "gpu_memory_gib": memory[0] / GIB, "host_memory_gib": memory[1] / GIB,
             "reserved_gib": CUDA_RESERVED / GIB if device.type == "cuda" else 0.0}
@@ -148,12 +154,24 @@ def measure_profile(backend: BlockBackend, seq_len: int = 32, micro_batches: tup
 
 
 def measure_node(model: str, name: str, device: str = "cpu", dtype: str = "auto", seq_len: int = 32,
-                 micro_batches: tuple[int, ...] = MICRO_BATCHES, link_mbps: float = 100.0) -> dict:
+                 micro_batches: tuple[int, ...] = MICRO_BATCHES, link_mbps: float = 100.0,
+                 quant_types: tuple[QuantType, ...] = ("none",)) -> dict:
     """A planner node of this machine for `model` (what `bloombee-plan --measure` prints for a nodes.yaml), timed on
-    the model's first block: every block of a model has the same shapes."""
+    the model's first block (every block of a model has the same shapes) in full precision and, as `quant_costs`, in
+    each other of `quant_types`."""
     where = torch.device(device)
+    measured = {quant: measure_profile(_first_block(model, where, dtype, quant), seq_len, tuple(micro_batches))
+                for quant in dict.fromkeys(("none", *quant_types))}
+    node = measured["none"]
+    quant_costs = {quant: figures["cost"] for quant, figures in measured.items() if quant != "none"}
+    if quant_costs:
+        node = {**node, "quant_costs": quant_costs}
+    return planner_node(node, name, link_mbps, where, default_budgets(where, "auto", "auto"))
+
+
+def _first_block(model: str, device: torch.device, dtype: str, quant: QuantType) -> BlockBackend:
+    """The backend of the model's first block on `device`, its weights in `quant`."""
+    check_supported(quant, device)
     stack = load_block_stack(resolve_model(model), 0, 1, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
-                             device=where)
-    backend = BlockBackend(stack, where, next(stack.parameters()).dtype)
-    return planner_node(measure_profile(backend, seq_len, tuple(micro_batches)), name, link_mbps, where,
-                        default_budgets(where, "auto", "auto"))
+                             device=device, quant_type=quant)
+    return BlockBackend(stack, device, stack.dtype)

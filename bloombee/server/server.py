@@ -16,6 +16,8 @@ import bloombee
 from bloombee import codec
 from bloombee.dht.records import ModelEntry, ServerRecord, ServerState, announce, announce_model, fetch_records
 from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
+from bloombee.loading.weights import resolve_dtype
+from bloombee.models.core.quantize import resolve_quant_type
 from bloombee.planner.costs import offload_fraction
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
@@ -28,12 +30,14 @@ from bloombee.server.memory import (
     MemoryBudget,
     SessionBytes,
     WeightsDoNotFit,
+    blocks_that_fit,
     default_budgets,
     format_bytes,
 )
 from bloombee.server.sessions import SessionRegistry
 from bloombee.server.throughput import block_throughput_meter
 from bloombee.settings import ServerSettings
+from bloombee.weight_formats import QuantType
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ class Server:
     def __init__(self, model: str, dht: hivemind.DHT, blocks: BlockChoice, settings: ServerSettings,
                  device: str = "cpu", dtype: str = "auto", public_name: str = "", link_bandwidth: float = 12.5e6,
                  profile: bool = True, profile_path: str | None = None, planned: tuple[int, int] | None = None,
-                 planned_offload: float | None = None):
+                 planned_offload: float | None = None, quant_type: QuantType | None = None):
         self.model_path = resolve_model(model)
         self.config = load_model_config(self.model_path)
         self.model_name, self.prefix = model, dht_prefix(model)
@@ -69,6 +73,7 @@ class Server:
         self.public_name, self.link_bandwidth = public_name, link_bandwidth
         self.planned = planned  # (B, M) of the plan this server follows
         self.planned_offload = planned_offload  # that plan's alpha for this node
+        self.quant_type = quant_type or resolve_quant_type(settings.quant_type, self.device)
         self.memory = default_budgets(self.device, settings.device_memory, settings.host_memory)
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
@@ -85,22 +90,34 @@ class Server:
                 raise ValueError(f"--blocks {self.blocks.start}:{self.blocks.end} is outside the model's "
                                  f"{self.total_blocks} blocks; use START:END with 0 <= START < END <= {self.total_blocks}")
             return self.blocks.start, self.blocks.end
-        num_blocks = min(self.blocks.num_blocks or self.total_blocks, self.total_blocks)
+        num_blocks = min(self.blocks.num_blocks or self._blocks_that_fit(), self.total_blocks)
         coverage = block_coverage(fetch_records(self.dht, self.prefix, self.total_blocks))
         start = choose_start_block(coverage, num_blocks)
         logger.info("Chose blocks [%d, %d) where the swarm is weakest (coverage %s)", start, start + num_blocks, coverage)
         return start, start + num_blocks
 
+    def _blocks_that_fit(self) -> int:
+        """As many blocks as --device-memory holds with their weights in this server's precision and a KV cache of
+        --cache-tokens tokens each (all of the model's when they fit)."""
+        dtype = resolve_dtype(self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name),
+                              self.config)
+        room = self.memory[0] - (CUDA_RESERVED if self.device.type == "cuda" else 0)
+        return blocks_that_fit(self.config, dtype, self.quant_type, room, self.settings.cache_tokens)
+
+    def _cache_key(self, start: int, end: int, dtype: torch.dtype) -> str:
+        """What a measured figure of this server depends on: model, blocks, device, dtype and weight precision."""
+        return f"{self.prefix}|{start}:{end}|{self.device.type}|{dtype}|{self.quant_type}"
+
     def _load(self, start: int, end: int) -> BlockBackend:
         dtype = self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
-        stack = load_block_stack(self.model_path, start, end, dtype=dtype, device=self.device)
-        backend = BlockBackend(stack, self.device, next(stack.parameters()).dtype,
+        stack = load_block_stack(self.model_path, start, end, dtype=dtype, device=self.device, quant_type=self.quant_type)
+        backend = BlockBackend(stack, self.device, stack.dtype,
                                pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
-        key = f"{self.prefix}|{start}:{end}|{self.device.type}|{backend.dtype}"
-        self.meter = block_throughput_meter(backend, key)
-        logger.info("Loaded blocks [%d, %d) of %s on %s as %s, %.0f%% of the KV cache in host memory", start, end,
-                    self.model_path, self.device, backend.dtype, 100 * backend.offload)
+        self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))
+        logger.info("Loaded blocks [%d, %d) of %s on %s as %s with %s weights (%s), %.0f%% of the KV cache in host "
+                    "memory", start, end, self.model_path, self.device, backend.dtype, self.quant_type,
+                    format_bytes(backend.weight_bytes), 100 * backend.offload)
         return backend
 
     def _room_for_sessions(self, backend: BlockBackend) -> int:
@@ -131,9 +148,9 @@ class Server:
         """This server's planner node (measured once per model, range, device and dtype, then cached), for the DHT
         record; written to `path` (YAML) when given."""
         name = self.public_name or self.dht.peer_id.to_base58()
-        key = f"{self.prefix}|{self.backend.start}:{self.backend.end}|{self.device.type}|{self.backend.dtype}"
+        key = self._cache_key(self.backend.start, self.backend.end, self.backend.dtype)
         node = cached_profile(key, lambda: measure_profile(self.backend), name, self.link_bandwidth * 8 / 1e6,
-                              self.device, self.memory)
+                              self.device, self.memory, self.quant_type)
         if path is None:
             return node
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +174,8 @@ class Server:
             device_bytes_per_token=self._token_bytes().device,
             host_bytes_per_token=self._token_bytes().host,
             dtype=str(self.backend.dtype).removeprefix("torch."),
+            quant_type=self.quant_type,
+            weight_bytes=self.backend.weight_bytes,
             device=self.device.type,
             version=bloombee.__version__,
             public_name=self.public_name,

@@ -37,7 +37,8 @@ class BlockStack(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The dtype the blocks compute in (their norms' dtype: quantised linear weights are integers)."""
+        return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point)
 
     @property
     def device(self) -> torch.device:

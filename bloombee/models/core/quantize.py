@@ -1,0 +1,130 @@
+"""Quantised blocks: a block's linear layers replaced by bitsandbytes' int8 (LLM.int8) or NF4 (QLoRA) layers.
+
+bitsandbytes quantises a weight when it is moved to its device (CPU or CUDA) and computes in the dtype of its
+input, so a quantised block takes the server's --dtype activations unchanged. The MoE router stays in the dtype:
+it is tiny and a flipped expert choice costs more quality than its bytes save.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from bloombee.weight_formats import QUANT_TYPES, QuantType, linear_weight_bytes, parse_quant_type
+
+
+class _CastNotice(logging.Filter):
+    """Drops bitsandbytes' warning, logged on every int8 matmul, that a float32 or bfloat16 input is quantised through
+    float16: that is how LLM.int8 works (docs/quantisation.md says so), not news at every step."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("MatMul8bitLt: inputs will be cast")
+
+
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CastNotice())
+
+
+QUANTISED_DEVICES = ("cpu", "cuda")  # where bitsandbytes (>= 0.48) runs both formats
+KEPT_IN_DTYPE = ("router",)  # linear layers never quantised, by module name
+# state-dict entries bitsandbytes makes for saving (the layout tag, the packed quantisation metadata), not on the device
+SERIALISATION_ONLY = ("weight_format", "quant_state.bitsandbytes__nf4")
+
+
+class QuantizationUnsupported(ValueError):
+    """This quant type cannot run here (device, library); the message says what to use instead."""
+
+
+def resolve_quant_type(setting: str, device: torch.device) -> QuantType:
+    """``auto`` -> nf4 on CUDA (what Petals loads by default: ~4x the blocks per GPU, so fewer hops), none elsewhere
+    (on a CPU the dequantising matmul is slower than the dtype's); otherwise the setting, checked."""
+    if setting == "auto":
+        return "nf4" if torch.device(device).type == "cuda" else "none"
+    return parse_quant_type(setting)
+
+
+def check_supported(quant: QuantType, device: torch.device) -> None:
+    """QuantizationUnsupported unless ``quant`` weights can be computed with on ``device``."""
+    if quant == "none":
+        return
+    device = torch.device(device)
+    if device.type not in QUANTISED_DEVICES:
+        raise QuantizationUnsupported(f"{quant} weights run on {' or '.join(QUANTISED_DEVICES)} (bitsandbytes), not on "
+                                      f"{device.type}; use --quant-type none on this device")
+    _bitsandbytes()
+
+
+def _bitsandbytes():
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise QuantizationUnsupported(f"int8 and nf4 weights need bitsandbytes ({error}); install it with "
+                                      "`pip install bitsandbytes` or use --quant-type none") from None
+    return bitsandbytes
+
+
+def quantized_linear(linear: nn.Linear, quant: QuantType, device: torch.device) -> nn.Module:
+    """A bitsandbytes layer holding ``linear``'s weight (read from wherever it is) quantised on ``device``."""
+    bnb = _bitsandbytes()
+    weight, bias = linear.weight.detach(), linear.bias
+    if quant == "int8":
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias is not None,
+                                    has_fp16_weights=False, threshold=0.0, device="meta")
+        layer.weight = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
+    else:
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None,
+                                  compute_dtype=weight.dtype, quant_type="nf4", compress_statistics=True,
+                                  device="meta")
+        layer.weight = bnb.nn.Params4bit(weight.to("cpu"), requires_grad=False, quant_type="nf4",
+                                         compress_statistics=True)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().to("cpu"), requires_grad=False)
+    return layer.to(device)
+
+
+def quantize_linears(module: nn.Module, quant: QuantType, device: torch.device) -> nn.Module:
+    """Replace every linear layer of ``module`` (but the routers) by its quantised twin on ``device``, in place."""
+    if quant == "none":
+        return module.to(device)
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and name not in KEPT_IN_DTYPE:
+            setattr(module, name, quantized_linear(child, quant, device))
+        else:
+            quantize_linears(child, quant, device)
+    return module.to(device)
+
+
+def quant_type_of(module: nn.Module) -> QuantType:
+    """The precision of ``module``'s linear weights, read off its layers."""
+    bnb = _bitsandbytes() if any("bitsandbytes" in type(m).__module__ for m in module.modules()) else None
+    if bnb is not None:
+        if any(isinstance(m, bnb.nn.Linear4bit) for m in module.modules()):
+            return "nf4"
+        if any(isinstance(m, bnb.nn.Linear8bitLt) for m in module.modules()):
+            return "int8"
+    return "none"
+
+
+def planned_weight_bytes(module: nn.Module, quant: QuantType, dtype_bytes: int) -> int:
+    """Bytes ``module``'s weights will take once quantised to ``quant`` (it may be on the meta device)."""
+    total = 0
+    for name, child in module.named_modules():
+        own = list(child.parameters(recurse=False))
+        if isinstance(child, nn.Linear) and name.rsplit(".", 1)[-1] not in KEPT_IN_DTYPE:
+            weight = child.weight
+            total += linear_weight_bytes(weight.numel(), weight.shape[0], quant, dtype_bytes)
+            own = [p for p in own if p is not weight]
+        total += sum(p.numel() for p in own) * dtype_bytes
+    return total
+
+
+def module_weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s weights as stored, quantisation scales and code books included."""
+    return sum(t.numel() * t.element_size() for key, t in module.state_dict().items()
+               if not key.endswith(SERIALISATION_ONLY))
+
+
+__all__ = ["QUANT_TYPES", "QuantizationUnsupported", "check_supported", "module_weight_bytes", "planned_weight_bytes",
+           "quant_type_of",
+           "quantize_linears", "resolve_quant_type"]
