@@ -146,7 +146,11 @@ def test_quant_types_the_server_cannot_load_are_refused_before_joining(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     assert_short_error(run("bloombee-server", "--model", str(folder), "--initial-peers", FAKE_PEER),
-                       "already quantised (gptq)", "serve the original model with --quant-type int8 or nf4")
+                       "quantised as gptq, which bloombee cannot load", "bitsandbytes int8 or nf4 checkpoints")
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_short_error(run("bloombee-server", "--model", str(folder), "--quant-type", "int8", "--initial-peers",
+                           FAKE_PEER), "this checkpoint holds nf4 weights; serve it with --quant-type nf4 (or auto)")
 
 
 def test_demo_with_zero_servers():

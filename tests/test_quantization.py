@@ -11,12 +11,18 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from bloombee.loading import load_block_stack, load_model_config
+from bloombee.loading import load_block_stack, load_model_config, resolve_model
 from bloombee.loading.local_model import LocalModel
-from bloombee.loading.weights import refuse_quantized_checkpoint
 from bloombee.models import family_for_config
-from bloombee.models.core.quantize import (QuantizationUnsupported, check_supported, module_weight_bytes,
-                                           planned_weight_bytes, quant_type_of, resolve_quant_type)
+from bloombee.models.core.quantize import (
+    QuantizationUnsupported,
+    check_supported,
+    checkpoint_quant_type,
+    module_weight_bytes,
+    planned_weight_bytes,
+    quant_type_of,
+    resolve_quant_type,
+)
 from bloombee.server.memory import WeightsDoNotFit, blocks_that_fit
 from bloombee.weight_formats import parse_quant_type, parse_quant_types
 
@@ -115,12 +121,48 @@ def test_quant_types_are_checked_and_auto_follows_the_device():
     check_supported("none", torch.device("mps"))
 
 
-def test_an_already_quantised_checkpoint_is_refused_naming_what_loads():
-    config = AutoConfig.for_model("llama", quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(QuantizationUnsupported, match=r"already quantised \(gptq\).*serve the original model with "
-                                                      r"--quant-type int8 or nf4"):
-        refuse_quantized_checkpoint(config)
-    refuse_quantized_checkpoint(AutoConfig.for_model("llama"))
+@pytest.fixture(scope="module")
+def saved_quantised(tmp_path_factory):
+    """bloombee-tiny saved by transformers with bitsandbytes' int8 and nf4, as such checkpoints on the hub are."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    configs = {"int8": BitsAndBytesConfig(load_in_8bit=True),
+               "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                         bnb_4bit_compute_dtype=torch.float32)}
+    folders = {}
+    for quant, config in configs.items():
+        folders[quant] = tmp_path_factory.mktemp(f"tiny-{quant}")
+        AutoModelForCausalLM.from_pretrained(resolve_model(TINY), quantization_config=config, device_map="cpu",
+                                             dtype=torch.float32).save_pretrained(folders[quant])
+    return folders
+
+
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_a_bitsandbytes_checkpoint_loads_as_saved(saved_quantised, quant):
+    """The same weights as bloombee's own quantisation of the float32 checkpoint, so the same tokens."""
+    folder = saved_quantised[quant]
+    assert checkpoint_quant_type(load_model_config(folder)) == quant
+    loaded = LocalModel(folder, torch.float32)
+    assert quant_type_of(loaded.stack) == quant
+    prompt = torch.tensor([[1, 5, 9, 23, 7, 100]])
+    assert torch.equal(loaded.greedy(prompt, 12), LocalModel(TINY, torch.float32, quant).greedy(prompt, 12))
+    other = "nf4" if quant == "int8" else "int8"
+    with pytest.raises(QuantizationUnsupported, match=f"this checkpoint holds {quant} weights and cannot be loaded as "
+                                                      f"{other}"):
+        load_block_stack(folder, 0, 1, quant_type=other)
+    with pytest.raises(QuantizationUnsupported, match=f"serve it with --quant-type {quant} \\(or auto\\)"):
+        resolve_quant_type(other, torch.device("cpu"), quant)
+    assert resolve_quant_type("auto", torch.device("cpu"), quant) == quant
+
+
+def test_other_quantised_checkpoints_are_refused_naming_what_loads():
+    for settings, kind in (({"quant_method": "gptq", "bits": 4}, "gptq"),
+                           ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"},
+                            "bitsandbytes fp4")):
+        with pytest.raises(QuantizationUnsupported, match=f"quantised as {kind}, which bloombee cannot load; it loads "
+                                                          "full-precision checkpoints"):
+            checkpoint_quant_type(AutoConfig.for_model("llama", quantization_config=settings))
+    assert checkpoint_quant_type(AutoConfig.for_model("llama")) == "none"
 
 
 def test_blocks_that_fit_count_quantised_bytes():
@@ -128,6 +170,6 @@ def test_blocks_that_fit_count_quantised_bytes():
     room = 8 << 20
     counts = {quant: blocks_that_fit(config, torch.float32, quant, room, 1024) for quant in ("none", "int8", "nf4")}
     assert counts["none"] < counts["int8"] < counts["nf4"] == 8, counts
-    with pytest.raises(WeightsDoNotFit, match="one block with the KV cache of --cache-tokens 1024 takes 2.77 MiB in "
+    with pytest.raises(WeightsDoNotFit, match="one block with the KV cache of --cache-tokens 1024 takes 3.14 MiB in "
                                               "none weights"):
         blocks_that_fit(config, torch.float32, "none", 1 << 20, 1024)

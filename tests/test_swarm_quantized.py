@@ -74,7 +74,11 @@ def swarm(tmp_path_factory):
                              wait=False)
         swarm.add_server("--quant-type", "nf4", "--dtype", "float32", "--device-memory", FIT_MEMORY,
                          "--cache-tokens", "1024", name="fit", wait=False)
-        swarm.wait_online([*SERVERS, "fit"])
+        plan = tmp_path_factory.mktemp("plan") / "plan.json"
+        plan.write_text(json.dumps({"feasible": True, "nodes": ["planned"], "plan": {
+            "assignment": [8], "alphas": [0.0], "batch_size": 4, "micro_batches": 1, "quant_types": ["int8"]}}))
+        swarm.add_server("--plan", str(plan), "--node", "planned", "--dtype", "float32", name="planned", wait=False)
+        swarm.wait_online([*SERVERS, "fit", "planned"])
         yield swarm
     finally:
         swarm.stop()
@@ -85,12 +89,15 @@ def local():
     return {quant: LocalModel(MODEL, torch.float32, quant) for quant in ("int8", "nf4")}
 
 
-def test_an_int8_chain_equals_the_local_int8_model(swarm, local):
-    with client(swarm, quant_types=("int8",)) as model:
-        with model.inference_session(max_length=64, batch_size=PROMPT.shape[0]) as session:
-            out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-            assert {span.record.public_name for span in session.spans} == {"i1", "i2"}
-    assert torch.equal(out, local["int8"].greedy(PROMPT, NEW_TOKENS))
+def test_int8_chains_equal_the_local_int8_model_and_routing_takes_the_fewest_hops(swarm, local):
+    """Through i1 and i2, then as routing chooses among them and `planned` (all 8 blocks): the one hop."""
+    expected = local["int8"].greedy(PROMPT, NEW_TOKENS)
+    for allowed, chain in ((["i1", "i2"], ["i1", "i2"]), (None, ["planned"])):
+        with client(swarm, quant_types=("int8",), allowed_servers=allowed) as model:
+            with model.inference_session(max_length=64, batch_size=PROMPT.shape[0]) as session:
+                out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+                assert [span.record.public_name for span in session.spans] == chain
+        assert torch.equal(out, expected)
 
 
 def test_nf4_with_offload_micro_batches_and_compression_survives_a_kill(swarm, local):
@@ -128,10 +135,12 @@ def test_records_and_status_announce_precision_and_weight_bytes(swarm):
     assert servers["i1"]["quant_type"] == "int8" and servers["i1"]["weight_bytes"] == records["i1"].weight_bytes
 
 
-def test_a_server_sized_by_its_memory_fits_all_blocks_in_nf4(swarm):
-    records = [record for records in fetch_records(swarm.dht, swarm.prefix, 8) for record in records.values()
-               if record.public_name == "fit"]
-    assert records and (records[0].start_block, records[0].end_block) == (0, 8)
+def test_a_server_sized_by_its_memory_fits_all_blocks_in_nf4_and_a_planned_one_takes_the_plans_precision(swarm):
+    records = {record.public_name: record for records in fetch_records(swarm.dht, swarm.prefix, 8)
+               for record in records.values()}
+    assert (records["fit"].start_block, records["fit"].end_block, records["fit"].quant_type) == (0, 8, "nf4")
+    assert (records["planned"].start_block, records["planned"].end_block, records["planned"].quant_type) == \
+        (0, 8, "int8")
 
 
 def test_a_client_accepting_only_full_precision_is_told_what_serves_the_blocks(swarm):

@@ -120,18 +120,23 @@ def read_plan(args: argparse.Namespace) -> tuple[int, int, float, tuple[int, int
 
 
 def check_quantization(args: argparse.Namespace, settings: ServerSettings, planned: tuple | None) -> str:
-    """The weight precision this server will load (the plan's, else --quant-type), checked against the device, the
-    library and the checkpoint before joining the swarm."""
+    """The weight precision this server will load (a quantised checkpoint's own, else the plan's, else --quant-type),
+    checked against the checkpoint, the device and the library before joining the swarm."""
     import torch
 
     from bloombee.loading import load_model_config
-    from bloombee.loading.weights import refuse_quantized_checkpoint
-    from bloombee.models.core.quantize import QuantizationUnsupported, check_supported, resolve_quant_type
+    from bloombee.models.core.quantize import (
+        QuantizationUnsupported,
+        check_supported,
+        checkpoint_quant_type,
+        resolve_quant_type,
+    )
 
-    quant = planned[4] if planned is not None else resolve_quant_type(settings.quant_type, torch.device(args.device))
+    device = torch.device(args.device)
     try:
-        check_supported(quant, torch.device(args.device))
-        refuse_quantized_checkpoint(load_model_config(args.model))
+        saved_as = checkpoint_quant_type(load_model_config(args.model))
+        quant = resolve_quant_type(planned[4] if planned is not None else settings.quant_type, device, saved_as)
+        check_supported(quant, device)
     except QuantizationUnsupported as error:
         raise UsageError(str(error)) from None
     return quant

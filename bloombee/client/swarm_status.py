@@ -23,8 +23,8 @@ class ServerStatus(BaseModel):
     version: str
     features: list[str]
     dtype: str
-    quant_type: str
-    weight_bytes: int
+    quant_type: str = "none"
+    weight_bytes: int = 0
     device: str
     problem: str | None = None
 

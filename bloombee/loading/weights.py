@@ -11,7 +11,15 @@ import torch
 from safetensors import safe_open
 
 from bloombee.loading.resolve import ModelNotFoundError, load_model_config, resolve_model
-from bloombee.models.core.quantize import QuantizationUnsupported, check_supported, quantize_linears
+from bloombee.models.core.quantize import (
+    QUANTISATION_ENTRIES,
+    QuantizationUnsupported,
+    check_supported,
+    checkpoint_quant_type,
+    load_prequantized,
+    quant_type_of,
+    quantize_linears,
+)
 from bloombee.models.core.stack import BlockStack, ClientHead
 from bloombee.progress import progress_bar
 from bloombee.weight_formats import QuantType
@@ -119,6 +127,11 @@ def _checkpoint_folder(name_or_path, wanted) -> tuple[Path, CheckpointReader]:
     return folder, CheckpointReader(folder)
 
 
+def _is_quantisation_entry(name: str) -> bool:
+    """Whether a block's tensor name is one a checkpoint saved quantised has beside the weight (scales, code books)."""
+    return name.endswith(tuple(f".{entry}" for entry in QUANTISATION_ENTRIES))
+
+
 def _state_for(module_names: set[str], renamed: dict[str, str], where: str) -> None:
     missing = module_names - set(renamed.values())
     unexpected = set(renamed.values()) - module_names
@@ -127,29 +140,19 @@ def _state_for(module_names: set[str], renamed: dict[str, str], where: str) -> N
                          f"unexpected {sorted(unexpected)[:8]}.")
 
 
-def refuse_quantized_checkpoint(config) -> None:
-    """A checkpoint saved already quantised (its config has a ``quantization_config``) is refused: the server quantises
-    full-precision shards itself (--quant-type)."""
-    found = getattr(config, "quantization_config", None)
-    if found is None:
-        return
-    method = found.get("quant_method", "unknown") if isinstance(found, dict) else getattr(found, "quant_method", found)
-    raise QuantizationUnsupported(
-        f"this checkpoint is already quantised ({method}); bloombee loads full-precision checkpoints (safetensors or "
-        f".bin in float32, float16 or bfloat16) and quantises them itself: serve the original model with "
-        f"--quant-type int8 or nf4")
-
-
 def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, device="cpu",
                      quant_type: QuantType = "none"):
     """Blocks [start, end) of a model, reading only those blocks' tensors, one block at a time: with ``quant_type``
     int8 or nf4 each block's linear weights are quantised on ``device`` before the next block is read, so at most one
-    block is ever held in full precision. Never builds the whole model."""
+    block is ever held in full precision. A checkpoint saved quantised (bitsandbytes int8 or nf4) loads as saved.
+    Never builds the whole model."""
     from bloombee.models import family_for_config
 
     config = load_model_config(name_or_path)
-    refuse_quantized_checkpoint(config)
-    check_supported(quant_type, device)
+    saved_as = checkpoint_quant_type(config)
+    if saved_as != "none" and quant_type not in ("none", saved_as):
+        raise QuantizationUnsupported(f"this checkpoint holds {saved_as} weights and cannot be loaded as {quant_type}")
+    check_supported(saved_as if saved_as != "none" else quant_type, device)
     family = family_for_config(config)
     dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
@@ -165,19 +168,24 @@ def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, de
     _, reader = _checkpoint_folder(name_or_path, lambda n: module_name(n) is not None)
     renamed = {name: module_name(name) for name in reader.keys()}
     renamed = {k: v for k, v in renamed.items() if v is not None}
-    _state_for({k for k in stack.state_dict()}, renamed, f"{family.name} blocks [{start}, {end})")
+    _state_for({k for k in stack.state_dict()}, {k: v for k, v in renamed.items() if not _is_quantisation_entry(v)},
+               f"{family.name} blocks [{start}, {end})")
     with progress_bar(end - start, "loading blocks", "block") as bar:
         for index, block in enumerate(stack.blocks):
             prefix = f"blocks.{index}."
             names = {name: local.removeprefix(prefix) for name, local in renamed.items() if local.startswith(prefix)}
-            tensors = reader.read(names, dtype, show_progress=False)
-            block.load_state_dict({names[k]: t for k, t in tensors.items()}, strict=True, assign=True)
-            quantize_linears(block, quant_type, device)
+            if saved_as == "none":
+                tensors = reader.read(names, dtype, show_progress=False)
+                block.load_state_dict({names[k]: t for k, t in tensors.items()}, strict=True, assign=True)
+                quantize_linears(block, quant_type, device)
+            else:
+                tensors = reader.read(names, show_progress=False)
+                load_prequantized(block, {names[k]: t for k, t in tensors.items()}, dtype, device)
             bar.update()
     stack.reset_buffers(device)
     stack.eval().requires_grad_(False)
     logger.info("loaded %s blocks [%d, %d) from %s in %s, weights %s", family.name, start, end, name_or_path, dtype,
-                quant_type)
+                quant_type_of(stack))
     return stack
 
 

@@ -17,7 +17,7 @@ from bloombee import codec
 from bloombee.dht.records import ModelEntry, ServerRecord, ServerState, announce, announce_model, fetch_records
 from bloombee.loading import dht_prefix, load_block_stack, load_model_config, resolve_model
 from bloombee.loading.weights import resolve_dtype
-from bloombee.models.core.quantize import resolve_quant_type
+from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
@@ -73,7 +73,8 @@ class Server:
         self.public_name, self.link_bandwidth = public_name, link_bandwidth
         self.planned = planned  # (B, M) of the plan this server follows
         self.planned_offload = planned_offload  # that plan's alpha for this node
-        self.quant_type = quant_type or resolve_quant_type(settings.quant_type, self.device)
+        self.quant_type = quant_type or resolve_quant_type(settings.quant_type, self.device,
+                                                           checkpoint_quant_type(self.config))
         self.memory = default_budgets(self.device, settings.device_memory, settings.host_memory)
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()

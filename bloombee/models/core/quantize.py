@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from bloombee.weight_formats import QUANT_TYPES, QuantType, linear_weight_bytes, parse_quant_type
+from bloombee.weight_formats import QuantType, linear_weight_bytes, parse_quant_type
 
 
 class _CastNotice(logging.Filter):
@@ -30,18 +30,47 @@ QUANTISED_DEVICES = ("cpu", "cuda")  # where bitsandbytes (>= 0.48) runs both fo
 KEPT_IN_DTYPE = ("router",)  # linear layers never quantised, by module name
 # state-dict entries bitsandbytes makes for saving (the layout tag, the packed quantisation metadata), not on the device
 SERIALISATION_ONLY = ("weight_format", "quant_state.bitsandbytes__nf4")
+# a linear layer's checkpoint entries that say it was saved quantised (int8's row scales, nf4's block scales)
+QUANTISED_MARKERS = ("SCB", "weight.absmax")
+# those entries beside the weight itself, which a full-precision block's state has no name for
+QUANTISATION_ENTRIES = ("SCB", "weight_format", "weight.absmax", "weight.quant_map", "weight.nested_absmax",
+                        "weight.nested_quant_map", "weight.quant_state.bitsandbytes__nf4")
 
 
 class QuantizationUnsupported(ValueError):
     """This quant type cannot run here (device, library); the message says what to use instead."""
 
 
-def resolve_quant_type(setting: str, device: torch.device) -> QuantType:
-    """``auto`` -> nf4 on CUDA (what Petals loads by default: ~4x the blocks per GPU, so fewer hops), none elsewhere
-    (on a CPU the dequantising matmul is slower than the dtype's); otherwise the setting, checked."""
+def resolve_quant_type(setting: str, device: torch.device, checkpoint: QuantType = "none") -> QuantType:
+    """The precision a server loads: a checkpoint saved quantised (``checkpoint``) in its own; else ``auto`` -> nf4 on
+    CUDA (what Petals loads by default: ~4x the blocks per GPU, so fewer hops), none elsewhere (on a CPU the
+    dequantising matmul is slower than the dtype's); otherwise the setting, checked."""
+    if checkpoint != "none":
+        if setting not in ("auto", checkpoint):
+            raise QuantizationUnsupported(f"this checkpoint holds {checkpoint} weights; serve it with --quant-type "
+                                          f"{checkpoint} (or auto), or serve a full-precision checkpoint as {setting}")
+        return checkpoint
     if setting == "auto":
         return "nf4" if torch.device(device).type == "cuda" else "none"
     return parse_quant_type(setting)
+
+
+def checkpoint_quant_type(config) -> QuantType:
+    """The precision a checkpoint was saved in: none, or bitsandbytes' int8 or nf4, which load as saved;
+    QuantizationUnsupported for any other quantisation (GPTQ, AWQ, bitsandbytes fp4, ...)."""
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        return "none"
+    settings = found if isinstance(found, dict) else found.to_dict()
+    method = settings.get("quant_method", "unknown")
+    if method == "bitsandbytes" and settings.get("load_in_8bit"):
+        return "int8"
+    if method == "bitsandbytes" and settings.get("load_in_4bit") and settings.get("bnb_4bit_quant_type") == "nf4":
+        return "nf4"
+    kind = f"bitsandbytes {settings.get('bnb_4bit_quant_type', '')}" if method == "bitsandbytes" else method
+    raise QuantizationUnsupported(
+        f"this checkpoint is quantised as {kind}, which bloombee cannot load; it loads full-precision checkpoints "
+        f"(quantising them itself with --quant-type int8 or nf4) and bitsandbytes int8 or nf4 checkpoints")
 
 
 def check_supported(quant: QuantType, device: torch.device) -> None:
@@ -81,6 +110,50 @@ def quantized_linear(linear: nn.Linear, quant: QuantType, device: torch.device) 
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().to("cpu"), requires_grad=False)
     return layer.to(device)
+
+
+def prequantized_linear(linear: nn.Linear, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                        device: torch.device) -> nn.Module:
+    """A bitsandbytes layer of ``linear``'s shape holding weights saved already quantised (``tensors``: the layer's
+    checkpoint entries by their names inside it: int8's ``weight`` and ``SCB``, nf4's ``weight`` and ``weight.*``
+    statistics). int8 layers compute without LLM.int8's outlier threshold, as the server's own int8 layers do."""
+    bnb = _bitsandbytes()
+    bias = tensors.get("bias")
+    shape = {"input_features": linear.in_features, "output_features": linear.out_features, "bias": bias is not None,
+             "device": "meta"}
+    if "SCB" in tensors:
+        layer = bnb.nn.Linear8bitLt(**shape, has_fp16_weights=False, threshold=0.0)
+        weight = tensors["weight"].to(device)  # already on its device: Int8Params.to would leave CB behind
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight,
+                                         SCB=tensors["SCB"].to(device))
+    else:
+        layer = bnb.nn.Linear4bit(**shape, compute_dtype=dtype, quant_type="nf4")
+        stats = {name.removeprefix("weight."): t for name, t in tensors.items() if name.startswith("weight.")}
+        layer.weight = bnb.nn.Params4bit.from_prequantized(tensors["weight"], stats, device=device, module=layer)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return layer.to(device)
+
+
+def load_prequantized(block: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: torch.device) -> nn.Module:
+    """Fill ``block`` (built on the meta device) from a checkpoint saved quantised: each linear layer whose entries
+    carry quantisation statistics becomes its bitsandbytes layer, the rest loads in ``dtype``."""
+    replaced = []
+    for name, linear in list(block.named_modules()):
+        if not isinstance(linear, nn.Linear) or not any(f"{name}.{stat}" in tensors for stat in QUANTISED_MARKERS):
+            continue
+        own = {key.removeprefix(f"{name}."): tensors.pop(key) for key in list(tensors) if key.startswith(f"{name}.")}
+        parent, _, attribute = name.rpartition(".")
+        setattr(block.get_submodule(parent), attribute, prequantized_linear(linear, own, dtype, device))
+        replaced.append(f"{name}.")
+    plain = {key: t.to(dtype) if t.is_floating_point() else t for key, t in tensors.items()}
+    missing, unexpected = block.load_state_dict(plain, strict=False, assign=True)
+    missing = [key for key in missing if not key.startswith(tuple(replaced))]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the block: missing {sorted(missing)[:8]}, "
+                         f"unexpected {sorted(unexpected)[:8]}")
+    return block.to(device)
 
 
 def quantize_linears(module: nn.Module, quant: QuantType, device: torch.device) -> nn.Module:
@@ -124,7 +197,3 @@ def module_weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for key, t in module.state_dict().items()
                if not key.endswith(SERIALISATION_ONLY))
 
-
-__all__ = ["QUANT_TYPES", "QuantizationUnsupported", "check_supported", "module_weight_bytes", "planned_weight_bytes",
-           "quant_type_of",
-           "quantize_linears", "resolve_quant_type"]
