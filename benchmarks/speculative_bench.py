@@ -197,12 +197,7 @@ def plot(completions: dict, batch: int, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("hivemind", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    reason = cli.check_privileges()
-    if reason:
-        raise SystemExit(f"speculative_bench {reason}")
+    cli.start_bench("speculative_bench")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="speculative-bench-logs-"))

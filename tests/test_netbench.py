@@ -437,6 +437,20 @@ def test_every_optimisation_changes_what_a_sweep_runs():
     assert speculates(knobs.parse_configuration("speculative:auto").client_settings())
     assert not speculates(baseline.client_settings()) and not speculates(knobs.parse_configuration("compression").client_settings())
     assert knobs.parse_configuration("offload").server_args() == ["--offload", "0.5"]
+    assert knobs.parse_configuration("quant").server_args() == ["--quant-type", "nf4"]
+
+
+def test_quant_fixes_the_servers_precision_or_leaves_the_products_default():
+    assert "--quant-type" not in knobs.parse_configuration("baseline").server_args()  # not named: the product's auto
+    assert knobs.parse_configuration("compression+quant:int8").server_args() == ["--quant-type", "int8"]
+    assert knobs.parse_configuration("quant:none").server_args() == ["--quant-type", "none"]
+    assert "--quant-type" not in knobs.parse_configuration("auto").server_args()
+    with pytest.raises(ValueError, match="one of none, int8, nf4"):
+        knobs.parse_configuration("quant:fp8")
+    # the device and the memory budget decide these autos, not the link: their servers serve every environment
+    assert not knobs.parse_configuration("quant:auto").bandwidth_sensitive
+    assert not knobs.parse_configuration("offload:auto").bandwidth_sensitive
+    assert knobs.parse_configuration("quant:auto+micro_batching:auto").bandwidth_sensitive
 
 
 class _FakeSpeculatingModel:
@@ -539,3 +553,71 @@ def test_a_generate_run_is_summarised_beside_the_step_loop(tmp_path):
     report.write_sweep_outputs(tmp_path, meta, summaries)
     assert "## Speculative decoding" in (tmp_path / "summary.md").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["runs"][1]["compression_ratio"] is None
+
+
+# ---------------------------------------------------------------------------------- chains under one budget (benches)
+
+TINY = Path(__file__).resolve().parents[1] / "bloombee" / "assets" / "bloombee-tiny"
+
+
+def _quant_record(quant: str, gpu_gib: float) -> dict:
+    """A one-server chain of bloombee-tiny's 8 blocks whose profile announces `quant` and a `gpu_gib` budget."""
+    cost = {"table": {"micro_batch": [1.0, 32.0], "mlp_ms": [1.0, 4.0], "attn_gpu_ms": [0.1, 0.4],
+                      "attn_cpu_ms": [0.1, 0.4]}, "reference_seq_len": 32}
+    profile = {"name": "s0.c", "gpu": "cpu (float32)", "gpu_memory_gib": gpu_gib, "host_memory_gib": 1.0,
+               "reserved_gib": 0.0, "quant_type": quant, "cost": cost,
+               "link": {"uplink_mbps": 1000.0, "downlink_mbps": 1000.0}}
+    span = {"name": "s0.c", "start": 0, "end": 8, "profile": profile, "dtype": "float32", "offload": 0.0,
+            "quant_type": quant}
+    return {"chain": [span], "hop_rates_mbps": [20.0, 20.0], "model_path": str(TINY), "client_cpu": None,
+            "client_settings": {"compression": "off"}, "workload": {"batch": 4}}
+
+
+def test_predictions_plan_the_precision_the_servers_announce():
+    from benchmarks.netbench import chains, predict
+    from bloombee.planner.inputs import ModelSpec
+
+    spec = ModelSpec.model_validate(predict._model_section(str(TINY)))
+    budget = 8 * spec.weight_bytes("float32", "nf4") * 2 / 2**30  # 8 nf4 blocks fit twice, 8 float32 ones do not
+    inputs = predict._inputs(_quant_record("nf4", budget), {"tokens": 1, "batch": 4}, 64)
+    assert inputs.nodes[0].quant_type == "nf4" and inputs.model.linear_params_per_block
+    view = chains.planner_view(_quant_record("nf4", budget), 64)
+    assert view["feasible"] and view["quant_types"] == ["nf4"]
+    assert view["weight_bytes"] == [pytest.approx(8 * spec.weight_bytes("float32", "nf4"))]
+    full = chains.planner_view(_quant_record("none", budget), 64)
+    assert not full["feasible"] and full["quant_types"] == ["none"]
+
+
+def test_quant_chains_follow_the_blocks_that_fit():
+    from benchmarks import quant_netbench
+    from benchmarks.netbench import chains
+
+    figures = [{"quant": "none", "blocks_per_server": 1, "servers": 3},
+               {"quant": "int8", "blocks_per_server": 2, "servers": 2},
+               {"quant": "nf4", "blocks_per_server": 3, "servers": 1}]
+    quant_netbench.check_premise(figures)
+    layout = quant_netbench.chain_list(3, figures)
+    assert [chain.ranges for chain in layout] == [((0, 1), (1, 2), (2, 3)), ((0, 2), (2, 3)), ((0, 3),)]
+    assert [chain.label for chain in layout] == ["3 servers, --quant-type none", "2 servers, --quant-type int8",
+                                                 "1 server, --quant-type nf4"]
+    configs = chains.configurations("compression", layout, "quant")
+    assert [configs[key].server_args() for key in "abc"] == [["--quant-type", q] for q in ("none", "int8", "nf4")]
+    with pytest.raises(SystemExit, match="without quant"):
+        chains.configurations("quant:nf4", layout, "quant")
+    with pytest.raises(SystemExit, match="does not force"):
+        quant_netbench.check_premise([{**figures[0], "blocks_per_server": 2, "servers": 2}, *figures[1:]])
+    with pytest.raises(SystemExit, match="does not force"):
+        quant_netbench.check_premise([figures[0], {**figures[1], "blocks_per_server": 1, "servers": 3}, figures[2]])
+
+
+def test_chain_speedups_and_table():
+    from benchmarks.netbench import chains
+
+    rows = [{"env": env, "chain": key, "label": key, "hops": 2,
+             "summary": {"decode_tokens_per_s": tps, "e2e_tokens_per_s": tps / 2}}
+            for env, key, tps in (("E1", "a", 10.0), ("E1", "b", 12.0), ("E5", "a", 4.0), ("E5", "b", 5.0),
+                                  ("E5", "c", 3.0))]
+    assert chains.speedups(rows) == {"E1": {"b": pytest.approx(0.2)}, "E5": {"b": pytest.approx(0.25),
+                                                                           "c": pytest.approx(-0.25)}}
+    lines = chains.table(rows[:1], chains.LEAD_COLUMNS + [("e2e", lambda row: f"{row['summary']['e2e_tokens_per_s']:g}")])
+    assert lines == ["| env | chain | hops | e2e |", "|---|---|---|---|", "| E1 | a | 2 | 5 |"]

@@ -113,6 +113,17 @@ def check_privileges() -> str | None:
     return None
 
 
+def start_bench(prog: str) -> None:
+    """A bench's logging (INFO; hivemind and asyncio only warnings) and its root check: SystemExit naming what is
+    missing."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    reason = check_privileges()
+    if reason:
+        raise SystemExit(f"{prog} {reason}")
+
+
 def machine_info() -> dict[str, Any]:
     try:
         git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=False, capture_output=True,

@@ -8,7 +8,9 @@ all others off:
 - ``all`` (alias ``best``): everything on;
 - ``compression`` (or ``a+b`` for several): just those on;
 - ``name:VALUE`` sets a valued optimisation's setting (``micro_batching:8``, ``micro_batching:auto``,
-  ``offload:0.5``); a configuration with an ``auto`` value depends on the links (its nodes advertise their speed);
+  ``offload:0.5``, ``quant:int8``); a configuration with an ``auto`` value of an optimisation that reads the link
+  speed depends on the links (its nodes advertise their speed): ``offload:auto`` and ``quant:auto`` do not (the
+  server's memory budget and its device decide them);
 - ``auto``: no flags at all, the product's own defaults (compression ``auto``: the break-even
   rule; micro-batches ``auto``: the planner's model of the chain; both from the link speed each
   node advertises).
@@ -16,7 +18,9 @@ all others off:
 A ``passive`` optimisation passes no flag where a configuration does not name it (the product's
 default): ``offload`` auto only acts under a ``--device-memory`` budget, which sweeps do not set, so
 the product's default offloads nothing there and ``offload`` named alone keeps half of the KV heads in
-host memory. Every optimisation changes what a sweep runs: its servers' flags, its client's settings,
+host memory. ``quant`` not named passes no ``--quant-type`` either (the product's default, auto: nf4 on CUDA,
+none on a CPU); named alone it keeps the servers' blocks in nf4, ``quant:int8`` / ``quant:none`` fix the
+precision. Every optimisation changes what a sweep runs: its servers' flags, its client's settings,
 or (``speculative``) the client's path, ``model.generate`` instead of the step loop
 (``worker.speculates``).
 """
@@ -26,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from bloombee.weight_formats import QUANT_TYPES
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class Optimisation:
     value_flag: str | None = None  # the server flag that `name:VALUE` sets instead of server_on
     value_type: type = int
     passive: bool = False  # not named: no flag at all (the product's default) rather than server_off
+    choices: tuple[str, ...] = ()  # the values `name:VALUE` may take besides auto (any of value_type where empty)
+    link_sensitive: bool = True  # whether its auto value reads the link speed the nodes advertise
 
 
 OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
@@ -54,7 +62,12 @@ OPTIMISATIONS: dict[str, Optimisation] = {opt.name: opt for opt in (
     Optimisation("offload", "a share of each block's KV heads in host memory, attended where they lie: half by default; "
                  "offload:F sets the fraction, offload:auto the planner's smallest alpha that fits --cache-tokens in "
                  "--device-memory (0 without that budget)", ("--offload", "0.5"), ("--offload", "0"),
-                 value_flag="--offload", value_type=float, passive=True),
+                 value_flag="--offload", value_type=float, passive=True, link_sensitive=False),
+    Optimisation("quant", "the servers' blocks kept in int8 or nf4 (bitsandbytes; compute in --dtype), so that a "
+                 "--device-memory budget holds more blocks per server: fewer servers and hops; nf4 by default, quant:none|"
+                 "int8|nf4 fixes it, quant:auto the product's rule (nf4 on CUDA, none on a CPU)",
+                 ("--quant-type", "nf4"), ("--quant-type", "none"), value_flag="--quant-type", value_type=str,
+                 passive=True, choices=QUANT_TYPES, link_sensitive=False),
 )}
 
 
@@ -68,7 +81,7 @@ class Configuration:
     @property
     def bandwidth_sensitive(self) -> bool:
         """Whether the servers' advertised link speed changes behaviour (then servers restart per environment)."""
-        return self.auto or any(value == "auto" for _, value in self.values)
+        return self.auto or any(value == "auto" and OPTIMISATIONS[name].link_sensitive for name, value in self.values)
 
     def server_args(self) -> list[str]:
         if self.auto:
@@ -125,6 +138,8 @@ def _value(name: str, text: str) -> Any:
         raise ValueError(f"optimisation {name!r} takes no value (got {name}:{text})")
     if text == "auto":
         return text
+    if opt.choices and text not in opt.choices:
+        raise ValueError(f"{name}:{text}: the value must be auto or one of {', '.join(opt.choices)}")
     try:
         return opt.value_type(text)
     except ValueError:

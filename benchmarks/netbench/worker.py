@@ -214,7 +214,7 @@ class Workload:
         with model.remote.inference_session(max_length=max_length, batch_size=ids.shape[0]) as session:
             chain = [{"peer_id": span.peer_id, "name": span.record.public_name, "start": span.start, "end": span.end,
                       "profile": span.record.profile and span.record.profile.model_dump(mode="json", exclude_none=True),
-                      "dtype": span.record.dtype, "offload": span.record.offload,
+                      "dtype": span.record.dtype, "offload": span.record.offload, "quant_type": span.record.quant_type,
                       "device_memory_bytes": span.record.device_memory_bytes,
                       "host_memory_bytes": span.record.host_memory_bytes} for span in session.spans]
             tokens = ids
