@@ -37,7 +37,7 @@ class ServerSettings(BaseModel):
     compression: Literal["auto", "on", "off"] = Field("auto", description="compress activations on each hop: auto (when "
                                                       "it saves time on that link), on or off")
     quant_type: str = Field("auto", description="precision of the blocks' linear weights: none (--dtype), int8 "
-                            "(LLM.int8, ~0.27x float32's bytes) or nf4 (QLoRA 4-bit, ~0.14x); computed in --dtype. "
+                            "(LLM.int8, ~0.25x float32's bytes) or nf4 (QLoRA 4-bit, ~0.13x); computed in --dtype. "
                             "auto: nf4 on CUDA, as Petals loads by default (about 4x the blocks of float16 per GPU, so "
                             "fewer servers and hops in a chain); none on a CPU, where dequantising costs more time "
                             "than the bytes save")

@@ -38,7 +38,7 @@ QUANTISATION_ENTRIES = ("SCB", "weight_format", "weight.absmax", "weight.quant_m
 
 
 class QuantizationUnsupported(ValueError):
-    """This quant type cannot run here (device, library); the message says what to use instead."""
+    """These weights cannot be loaded here (device, library, checkpoint format); the message says what can."""
 
 
 def resolve_quant_type(setting: str, device: torch.device, checkpoint: QuantType = "none") -> QuantType:
@@ -169,14 +169,9 @@ def quantize_linears(module: nn.Module, quant: QuantType, device: torch.device) 
 
 
 def quant_type_of(module: nn.Module) -> QuantType:
-    """The precision of ``module``'s linear weights, read off its layers."""
-    bnb = _bitsandbytes() if any("bitsandbytes" in type(m).__module__ for m in module.modules()) else None
-    if bnb is not None:
-        if any(isinstance(m, bnb.nn.Linear4bit) for m in module.modules()):
-            return "nf4"
-        if any(isinstance(m, bnb.nn.Linear8bitLt) for m in module.modules()):
-            return "int8"
-    return "none"
+    """The precision of ``module``'s linear weights, read off its layers' classes."""
+    layers = {type(m).__name__ for m in module.modules()}
+    return "nf4" if "Linear4bit" in layers else "int8" if "Linear8bitLt" in layers else "none"
 
 
 def planned_weight_bytes(module: nn.Module, quant: QuantType, dtype_bytes: int) -> int:
