@@ -86,9 +86,10 @@ def configurations(base: str, chain_list: list[Chain], knob: str) -> dict[str, k
 
 
 def server_flags(args, config: knobs.Configuration) -> list[str]:
-    """A server's flags: the configuration's, the shared budget and the workload's cache."""
+    """A server's flags: the configuration's, the shared budget and the workload's batch and cache."""
     return [*config.server_args(), "--device-memory", args.device_memory, "--host-memory", args.host_memory,
-            "--cache-tokens", str(args.batch * args.max_length), "--max-length", str(args.max_length)]
+            "--cache-tokens", str(args.batch * args.max_length), "--max-length", str(args.max_length),
+            "--max-batch-size", str(args.batch)]
 
 
 def run_chains(args, model_path: str, model_name: str, chain_list: list[Chain],
