@@ -1,10 +1,11 @@
 """Helpers for tests that run a real local swarm (bootstrap peer + server processes on 127.0.0.1)."""
 
+import signal
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria
 
 from bloombee.client import AutoDistributedModel
 from bloombee.loading import dht_prefix, load_block_stack
@@ -30,11 +31,26 @@ def reference(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def start_swarm(folder: Path, log_dir: Path, cache_dir: Path) -> LocalSwarm:
-    swarm = LocalSwarm(str(folder), NUM_BLOCKS, dht_prefix(folder), log_dir=str(log_dir),
+def start_swarm(folder: Path | str, log_dir: Path, cache_dir: Path, num_blocks: int = NUM_BLOCKS) -> LocalSwarm:
+    swarm = LocalSwarm(str(folder), num_blocks, dht_prefix(folder), log_dir=str(log_dir),
                        env={"BLOOMBEE_CACHE": str(cache_dir)})
     swarm.start_bootstrap()
     return swarm
+
+
+class KillServerAt(StoppingCriteria):
+    """After `after` generated tokens past a `prompt_length`-token prompt, SIGKILL the server serving span
+    `span_index` of the model's active session."""
+
+    def __init__(self, swarm: LocalSwarm, model, span_index: int, after: int, prompt_length: int):
+        self.swarm, self.model, self.span_index, self.after = swarm, model, span_index, after
+        self.prompt_length, self.killed = prompt_length, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.killed is None and input_ids.shape[1] - self.prompt_length >= self.after:
+            self.killed = self.model._session.spans[self.span_index].record.public_name
+            self.swarm.kill(self.killed, signal.SIGKILL)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def client(swarm: LocalSwarm, **kwargs) -> AutoDistributedModel:

@@ -5,28 +5,13 @@ import time
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from bloombee.dht.records import ServerState, fetch_records
-from swarm_support import client, reference, save_tiny_llama, start_swarm
+from swarm_support import KillServerAt, client, reference, save_tiny_llama, start_swarm
 
 PROMPT = torch.tensor([[11, 22, 33, 44, 55]])
 NEW_TOKENS = 24
-
-
-class KillServerAt(StoppingCriteria):
-    """After `after` generated tokens, SIGKILL the server serving span `span_index` of the active session."""
-
-    def __init__(self, swarm, model, span_index: int, after: int):
-        self.swarm, self.model, self.span_index, self.after = swarm, model, span_index, after
-        self.killed: str | None = None
-
-    def __call__(self, input_ids, scores, **kwargs):
-        generated = input_ids.shape[1] - PROMPT.shape[1]
-        if self.killed is None and generated >= self.after:
-            self.killed = self.model._session.spans[self.span_index].record.public_name
-            self.swarm.kill(self.killed, signal.SIGKILL)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +35,7 @@ def expected(swarm):
 @pytest.mark.parametrize("span_index", [1, 0], ids=["second-server-dies", "first-server-dies"])
 def test_generation_survives_sigkill(swarm, expected, span_index):
     model = client(swarm, request_timeout=30.0)
-    killer = KillServerAt(swarm, model, span_index, after=8)
+    killer = KillServerAt(swarm, model, span_index, after=8, prompt_length=PROMPT.shape[1])
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, stopping_criteria=StoppingCriteriaList([killer]))
         assert killer.killed is not None and session.recoveries >= 1

@@ -5,24 +5,22 @@ the precisions they accept and are told when that leaves blocks unserved; a serv
 nf4 blocks."""
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
-from bloombee.client import AutoDistributedModel
 from bloombee.client.routing import MissingBlocksError
 from bloombee.dht.records import fetch_records
-from bloombee.loading import dht_prefix, load_model_config
+from bloombee.loading import load_model_config
 from bloombee.loading.local_model import LocalModel
-from bloombee.local_swarm import LocalSwarm
 from bloombee.models import family_for_config
 from bloombee.models.core.quantize import planned_weight_bytes
 from conftest import make_tiny_model
+from swarm_support import KillServerAt, client, start_swarm
 
 MODEL = "bloombee-tiny"
 SERVERS = {  # name: (blocks, quant type, extra flags)
@@ -32,25 +30,6 @@ SERVERS = {  # name: (blocks, quant type, extra flags)
 FIT_MEMORY = "12MiB"  # with --cache-tokens 1024: all 8 blocks in nf4 (1.4 MB each), 3 in float32 (3.8 MB each)
 PROMPT = torch.tensor([[11, 22, 33, 44, 55, 66], [7, 8, 9, 10, 11, 12]])
 NEW_TOKENS = 16
-
-
-class KillServerAt(StoppingCriteria):
-    """After `after` generated tokens, SIGKILL the server of span `span_index` of the model's active session."""
-
-    def __init__(self, swarm, model, span_index: int, after: int, prompt_length: int):
-        self.swarm, self.model, self.span_index, self.after = swarm, model, span_index, after
-        self.prompt_length, self.killed = prompt_length, None
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.killed is None and input_ids.shape[1] - self.prompt_length >= self.after:
-            self.killed = self.model._session.spans[self.span_index].record.public_name
-            self.swarm.kill(self.killed, signal.SIGKILL)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
-def client(swarm, **settings) -> AutoDistributedModel:
-    return AutoDistributedModel.from_pretrained(swarm.model, initial_peers=swarm.initial_peers, dtype=torch.float32,
-                                                **settings)
 
 
 def generate_killing(swarm, model, prompt, span_index):
@@ -65,9 +44,7 @@ def generate_killing(swarm, model, prompt, span_index):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    swarm = LocalSwarm(MODEL, 8, dht_prefix(MODEL), log_dir=str(tmp_path_factory.mktemp("logs")),
-                       env={"BLOOMBEE_CACHE": str(tmp_path_factory.mktemp("cache"))})
-    swarm.start_bootstrap()
+    swarm = start_swarm(MODEL, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
     try:
         for name, (blocks, quant, flags) in SERVERS.items():
             swarm.add_server("--blocks", blocks, "--quant-type", quant, "--dtype", "float32", *flags, name=name,
@@ -154,9 +131,8 @@ def test_a_client_accepting_only_full_precision_is_told_what_serves_the_blocks(s
 def mixtral_swarm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("model") / "tiny-mixtral"
     make_tiny_model("mixtral", num_layers=4, seed=3).save_pretrained(folder)
-    swarm = LocalSwarm(str(folder), 4, dht_prefix(folder), log_dir=str(tmp_path_factory.mktemp("mixtral-logs")),
-                       env={"BLOOMBEE_CACHE": str(tmp_path_factory.mktemp("mixtral-cache"))})
-    swarm.start_bootstrap()
+    swarm = start_swarm(folder, tmp_path_factory.mktemp("mixtral-logs"), tmp_path_factory.mktemp("mixtral-cache"),
+                        num_blocks=4)
     try:
         for name, blocks in (("m1", "0:2"), ("m2", "0:2"), ("m3", "2:4")):
             swarm.add_server("--blocks", blocks, "--quant-type", "nf4", "--dtype", "float32", name=name, wait=False)

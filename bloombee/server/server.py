@@ -97,11 +97,14 @@ class Server:
         logger.info("Chose blocks [%d, %d) where the swarm is weakest (coverage %s)", start, start + num_blocks, coverage)
         return start, start + num_blocks
 
+    def _dtype_setting(self) -> torch.dtype | str:
+        """--dtype as the loader takes it: "auto" (the checkpoint's) or a torch dtype."""
+        return self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
+
     def _blocks_that_fit(self) -> int:
         """As many blocks as --device-memory holds with their weights in this server's precision and a KV cache of
         --cache-tokens tokens each (all of the model's when they fit)."""
-        dtype = resolve_dtype(self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name),
-                              self.config)
+        dtype = resolve_dtype(self._dtype_setting(), self.config)
         room = self.memory[0] - (CUDA_RESERVED if self.device.type == "cuda" else 0)
         return blocks_that_fit(self.config, dtype, self.quant_type, room, self.settings.cache_tokens)
 
@@ -110,8 +113,8 @@ class Server:
         return f"{self.prefix}|{start}:{end}|{self.device.type}|{dtype}|{self.quant_type}"
 
     def _load(self, start: int, end: int) -> BlockBackend:
-        dtype = self.dtype_name if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
-        stack = load_block_stack(self.model_path, start, end, dtype=dtype, device=self.device, quant_type=self.quant_type)
+        stack = load_block_stack(self.model_path, start, end, dtype=self._dtype_setting(), device=self.device,
+                                 quant_type=self.quant_type)
         backend = BlockBackend(stack, self.device, stack.dtype,
                                pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
