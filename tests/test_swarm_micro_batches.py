@@ -12,8 +12,7 @@ from transformers import StoppingCriteriaList
 
 from bloombee.client.loop import client_loop, run_sync
 from bloombee.protocol import Hop, MessageKind, StepHeader, StepMessage, encode_tensors, envelope, parse_message, unpack
-from swarm_support import client, reference, save_tiny_llama, start_swarm
-from test_swarm_failover import KillServerAt
+from swarm_support import KillServerAt, client, reference, save_tiny_llama, start_swarm
 
 SERVERS = {"a": "0:3", "b": "3:5", "c": "5:8", "d": "3:8", "e": "3:5"}
 THREE, TWO = ["a", "b", "c"], ["a", "d"]
@@ -149,7 +148,7 @@ def session_step_async(session, hidden):
 
 def test_generation_survives_a_middle_server_killed_with_micro_batches_in_flight(swarm, ref):
     model = client(swarm, micro_batches=4, allowed_servers=["a", "b", "e", "c"], request_timeout=30.0)
-    killer = KillServerAt(swarm, model, span_index=1, after=8)
+    killer = KillServerAt(swarm, model, span_index=1, after=8, prompt_length=PROMPTS.shape[1])
     with model.inference_session(max_length=64, batch_size=8) as session:
         out = model.generate(PROMPTS, max_new_tokens=24, do_sample=False, stopping_criteria=StoppingCriteriaList([killer]))
         assert killer.killed in ("b", "e") and session.recoveries >= 1
