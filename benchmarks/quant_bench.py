@@ -107,6 +107,8 @@ def measure_model(name: str, windows: int, length: int, repeats: int) -> dict:
 
 def markdown(results: list[dict], command: str) -> str:
     lines = ["# Quantised blocks: quality, bytes, decode time (issue 30)", "", f"Reproduce: `{command}`", "",
+             f"CPU kernels: {torch.backends.cpu.get_cpu_capability()} (bitsandbytes' fast int8 and nf4 CPU paths need "
+             "AVX-512; without it they dequantise and take 2-9x float32's time).", "",
              "| model | quant | top-1 agreement | float32's median top-1 p | CE full | CE quant | CE rise (nats) | "
              "bytes vs float32 | "
              + " | ".join(f"decode ms/block B={b}" for b in DECODE_BATCHES) + " | floors |",
@@ -164,7 +166,8 @@ def main() -> None:
     command = "python -m benchmarks.quant_bench" + ("" if args.models == "bloombee-tiny,pipeline" else f" --models {args.models}")
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
-               "torch_threads": args.threads, "results": results}
+               "torch_threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+               "results": results}
     (args.out / "quality.json").write_text(json.dumps(summary, indent=2))
     (args.out / "quality.md").write_text(markdown(results, command))
     plot(results, args.out / "quality.png")

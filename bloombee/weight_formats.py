@@ -2,7 +2,7 @@
 
 ``none`` keeps the server's ``--dtype``; ``int8`` is LLM.int8's per-row (output channel) int8 with one float32
 scale per row; ``nf4`` is QLoRA's 4-bit NormalFloat in blocks of 64 weights with double-quantised scales
-(one int8 scale per block, one float32 scale per 256 blocks).
+(one int8 scale per block, one float32 scale per 256 blocks), each row a whole number of blocks (zero-padded).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ def parse_quant_types(text: str | tuple[str, ...] | list[str]) -> tuple[QuantTyp
     if not chosen:
         raise ValueError(f"name at least one quant type of {', '.join(QUANT_TYPES)}")
     return chosen
+
+
+def nf4_columns(columns: int) -> int:
+    """A layer's input width as its NF4 weight stores it: rows zero-padded to whole blocks, so no block spans two."""
+    return -(-columns // NF4_BLOCK_SIZE) * NF4_BLOCK_SIZE
 
 
 def linear_weight_bytes(weights: int, rows: int, quant: QuantType, dtype_bytes: int) -> int:

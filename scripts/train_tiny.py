@@ -180,7 +180,7 @@ def make_config(kind: str, tokenizer, args):
         use_cache=True,
     )
     if kind == "target":
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=args.target_blocks,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, **common)
     else:
         cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -507,6 +507,8 @@ def main(argv=None):
                    help="the same for the draft (2 blocks learn fast from the default init)")
     p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--skip-draft", action="store_true")
+    p.add_argument("--target-blocks", type=int, default=8, help="the target's blocks (a deeper twin for measurements)")
+    p.add_argument("--target-name", default="bloombee-tiny", help="the target's folder and card name")
     p.add_argument("--skip-target", action="store_true")
     args = p.parse_args(argv)
     args.draft_batch_size = args.draft_batch_size or args.batch_size
@@ -559,9 +561,11 @@ def main(argv=None):
 
     jobs = []
     if not args.skip_target:
-        jobs.append(("bloombee-tiny", "target", args.steps, args.batch_size, args.lr, args.residual_init,
-                     "BloomBee's embedded default model: the tiny Llama every demo, test and benchmark runs "
-                     "across the swarm (8 blocks, so it splits over 2-4 servers)."))
+        role = ("BloomBee's embedded default model: the tiny Llama every demo, test and benchmark runs across the "
+                "swarm (8 blocks, so it splits over 2-4 servers)." if args.target_blocks == 8 else
+                f"bloombee-tiny's {args.target_blocks}-block twin, trained the same way, for measurements on a "
+                "deeper model.")
+        jobs.append((args.target_name, "target", args.steps, args.batch_size, args.lr, args.residual_init, role))
     if not args.skip_draft:
         jobs.append(("bloombee-tiny-draft", "draft", args.draft_steps, args.draft_batch_size, args.draft_lr,
                      args.draft_residual_init,

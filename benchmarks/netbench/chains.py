@@ -243,7 +243,8 @@ def describe(meta: dict) -> list[str]:
             (f"Model {meta['model_name']}, B = {meta['batch']}, prompt {meta['prompt_len']}, {meta['new_tokens']} new "
              f"tokens, max_length {meta['max_length']}, `--device-memory {meta['device_memory']}` per server, "
              f"`--cache-tokens {meta['batch'] * meta['max_length']}`, other optimisations: `{meta['config']}`, "
-             f"{meta['server_threads']} torch thread per server; {meta['machine']['cpus']} CPUs, load average "
+             f"{meta['server_threads']} torch thread per server; {meta['machine']['cpus']} CPUs "
+             f"({meta['machine'].get('cpu_capability', '?')} kernels), load average "
              f"{meta['machine']['loadavg_start']} at the end, git {meta['machine']['git']}.")]
 
 

@@ -133,8 +133,11 @@ def machine_info() -> dict[str, Any]:
         git = f"{git}{'+dirty' if dirty else ''}"
     except OSError:
         git = "?"
+    import torch
+
     return {"cpus": os.cpu_count(), "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-            "kernel": platform.release(), "python": platform.python_version(), "git": git}
+            "kernel": platform.release(), "python": platform.python_version(), "git": git,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def default_threads(hidden: int) -> int:

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from bloombee.weight_formats import QuantType, linear_weight_bytes, parse_quant_type
+from bloombee.weight_formats import NF4_BLOCK_SIZE, QuantType, linear_weight_bytes, nf4_columns, parse_quant_type
 
 
 class _CastNotice(logging.Filter):
@@ -27,6 +27,9 @@ logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CastNotice())
 
 
 QUANTISED_DEVICES = ("cpu", "cuda")  # where bitsandbytes (>= 0.48) runs both formats
+# bitsandbytes' packed nf4 kernel for AVX512-BF16 CPUs takes weights of a multiple of 32 rows; for others it fails
+# rather than falling back (0.50), so they keep the dequantising matmul
+PACKED_NF4_ROWS = 32
 KEPT_IN_DTYPE = ("router",)  # linear layers never quantised, by module name
 # state-dict entries bitsandbytes makes for saving (the layout tag, the packed quantisation metadata), not on the device
 SERIALISATION_ONLY = ("weight_format", "quant_state.bitsandbytes__nf4")
@@ -96,20 +99,44 @@ def _bitsandbytes():
 def quantized_linear(linear: nn.Linear, quant: QuantType, device: torch.device) -> nn.Module:
     """A bitsandbytes layer holding ``linear``'s weight (read from wherever it is) quantised on ``device``."""
     bnb = _bitsandbytes()
-    weight, bias = linear.weight.detach(), linear.bias
+    weight, bias = linear.weight.detach().to("cpu"), linear.bias
+    columns = linear.in_features
     if quant == "int8":
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias is not None,
                                     has_fp16_weights=False, threshold=0.0, device="meta")
-        layer.weight = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     else:
-        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None,
-                                  compute_dtype=weight.dtype, quant_type="nf4", compress_statistics=True,
-                                  device="meta")
-        layer.weight = bnb.nn.Params4bit(weight.to("cpu"), requires_grad=False, quant_type="nf4",
-                                         compress_statistics=True)
+        columns = nf4_columns(linear.in_features)
+        layer = _nf4_layer(bnb, columns, linear.out_features, bias is not None, weight.dtype, compress_statistics=True)
+        if columns != linear.in_features:
+            weight = nn.functional.pad(weight, (0, columns - linear.in_features))
+        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True)
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().to("cpu"), requires_grad=False)
-    return layer.to(device)
+    layer = layer.to(device)
+    return layer if columns == linear.in_features else PaddedInput(layer, linear.in_features)
+
+
+class PaddedInput(nn.Module):
+    """An NF4 layer whose weight rows were zero-padded to whole blocks, fed its input padded alike. bitsandbytes'
+    AVX-512 CPU kernel dequantises blocks row by row, so a block spanning two rows comes out wrong (0.50: 0.25
+    relative error where NF4's own is 0.09); whole-block rows are right on every device."""
+
+    def __init__(self, layer: nn.Module, in_features: int):
+        super().__init__()
+        self.layer, self.in_features = layer, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(nn.functional.pad(x, (0, self.layer.in_features - self.in_features)))
+
+
+def _nf4_layer(bnb, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, **options) -> nn.Module:
+    """An empty NF4 layer of that shape computing in ``dtype``."""
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias, compute_dtype=dtype, quant_type="nf4",
+                              device="meta", **options)
+    if out_features % PACKED_NF4_ROWS:
+        layer.support_avx512bf16_for_cpu = False
+    return layer
 
 
 def prequantized_linear(linear: nn.Linear, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -127,7 +154,12 @@ def prequantized_linear(linear: nn.Linear, tensors: dict[str, torch.Tensor], dty
         layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight,
                                          SCB=tensors["SCB"].to(device))
     else:
-        layer = bnb.nn.Linear4bit(**shape, compute_dtype=dtype, quant_type="nf4")
+        if linear.in_features % NF4_BLOCK_SIZE and torch.device(device).type == "cpu":
+            raise QuantizationUnsupported(
+                f"this nf4 checkpoint has {linear.in_features}-value rows, not whole {NF4_BLOCK_SIZE}-value blocks, "
+                "which bitsandbytes computes wrongly on AVX-512 CPUs; serve the full-precision checkpoint with "
+                "--quant-type nf4 (bloombee pads such rows)")
+        layer = _nf4_layer(bnb, linear.in_features, linear.out_features, bias is not None, dtype)
         stats = {name.removeprefix("weight."): t for name, t in tensors.items() if name.startswith("weight.")}
         layer.weight = bnb.nn.Params4bit.from_prequantized(tensors["weight"], stats, device=device, module=layer)
     if bias is not None:
@@ -180,8 +212,9 @@ def planned_weight_bytes(module: nn.Module, quant: QuantType, dtype_bytes: int) 
     for name, child in module.named_modules():
         own = list(child.parameters(recurse=False))
         if isinstance(child, nn.Linear) and name.rsplit(".", 1)[-1] not in KEPT_IN_DTYPE:
-            weight = child.weight
-            total += linear_weight_bytes(weight.numel(), weight.shape[0], quant, dtype_bytes)
+            weight, rows = child.weight, child.weight.shape[0]
+            values = rows * nf4_columns(weight.shape[1]) if quant == "nf4" else weight.numel()
+            total += linear_weight_bytes(values, rows, quant, dtype_bytes)
             own = [p for p in own if p is not weight]
         total += sum(p.numel() for p in own) * dtype_bytes
     return total
