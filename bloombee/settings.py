@@ -46,7 +46,8 @@ class ServerSettings(BaseModel):
     connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")
     announce_timeout: float = Field(5.0, gt=0, description="seconds one DHT announcement may take")
     push_timeout: float = Field(10.0, gt=0, description="seconds a step pushed to the next server may wait for its "
-                                "acknowledgement (or for room in the push buffer) before the push counts as failed")
+                                "acknowledgement past when its bytes should have arrived over the link (or for room in "
+                                "the push buffer) before the push counts as failed")
 
 
     @field_validator("device_memory", "host_memory")

@@ -5,7 +5,8 @@ peer going away and, as root, a server's network link going down: each generatio
 an undisturbed run, its stalled step is bounded, and afterwards the client's view recovers: once its ban (1 s here)
 expires, the server is routed to again. The swarm: "whole" serves blocks 0:8 (one hop, the cheapest chain, so every
 session goes through it) and "front" 0:4 plus "back" 4:8 take over while it is down. The link test (root and `ip`
-only) runs its own swarm, with "whole" in a network namespace of its own behind a veth pair."""
+only) runs its own swarm, with "whole" in a network namespace of its own behind a veth pair; so does the slow-link test,
+whose pushes take longer than the push timeout and must not count as failures."""
 
 import os
 import shutil
@@ -15,7 +16,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from bloombee.client import AutoDistributedModel
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
@@ -312,3 +313,43 @@ def test_a_server_whose_link_goes_down_for_seconds_costs_a_bounded_step_and_is_u
     assert fault.victim == "whole" and session.recoveries >= 1, report
     assert torch.equal(out, reference), report
     assert ClientSettings().step_timeout_min <= fault.stalled_step < STALL_LIMIT, report
+
+
+SLOW_MBPS = 2.0  # the island server's shaped uplink, Mbit/s
+PUSH_TIMEOUT = 1.0  # seconds, far less than its prompt's push takes at SLOW_MBPS
+
+
+def test_a_push_slower_than_the_push_timeout_over_a_slow_link_is_not_a_failure(island, tmp_path_factory):
+    """"a" (blocks 0:4, in the island behind a 2 Mbit/s tbf uplink that it announces) pushes a 4 x 200-token float32
+    prompt (0.8 MB, ~3.5 s) to "b" (4:8) with --push-timeout 1: the acknowledgement is due a second after the bytes
+    can have arrived, not a second after they left, so nothing fails and nobody is banned."""
+    ip("netns", "exec", island, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{SLOW_MBPS:g}mbit",
+       "burst", "32kbit", "latency", "2s")
+    here = ("--host-maddrs", f"/ip4/{HOST_IP}/tcp/0", "--no-nat-traversal")
+    there = ("--host-maddrs", f"/ip4/{NODE_IP}/tcp/0", "--no-nat-traversal")
+    logs = tmp_path_factory.mktemp("slow-logs")
+    swarm = LocalSwarm(MODEL, 8, dht_prefix(MODEL), log_dir=str(logs),
+                       env={"BLOOMBEE_CACHE": str(tmp_path_factory.mktemp("slow-cache"))})
+    try:
+        swarm.start_bootstrap(*here)
+        common = ("--dtype", "float32", "--max-length", "256", "--push-timeout", f"{PUSH_TIMEOUT:g}")
+        swarm.add_server("--blocks", "0:4", *common, *there, "--link-bandwidth-mbps", f"{SLOW_MBPS:g}", name="a",
+                         prefix=("ip", "netns", "exec", island))
+        swarm.add_server("--blocks", "4:8", *common, *here, name="b")
+        prompt = torch.randint(5, 4000, (4, 200), generator=torch.Generator().manual_seed(3))
+        with AutoDistributedModel.from_pretrained(MODEL, initial_peers=swarm.initial_peers, dtype=torch.float32,
+                                                  compression="off") as model:
+            with model.inference_session(max_length=208, batch_size=4) as session:
+                began = time.monotonic()
+                out = model.generate(prompt, max_new_tokens=4, do_sample=False)
+                took = time.monotonic() - began
+            banned = model.remote.manager.banned_servers()
+        reference = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32).generate(
+            prompt, max_new_tokens=4, do_sample=False)
+    finally:
+        swarm.stop()
+        ip("netns", "exec", island, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+    prompt_push = prompt.numel() * 256 * 4 * 8 / (SLOW_MBPS * 1e6)
+    assert took > prompt_push > 3 * PUSH_TIMEOUT, (took, prompt_push)
+    assert session.recoveries == 0 and not banned, (session.recoveries, banned)
+    assert torch.equal(out, reference)

@@ -215,8 +215,12 @@ class BlockServicer:
 
     def push_policy(self, session: Session, hop: Hop, num_bytes: int) -> CompressionPolicy:
         """The policy of the link to the next server, about to send it `num_bytes`."""
-        bandwidth = min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
-        return self._policy(hop.peer_id, bandwidth, hop.codecs, session.compression, hop.decode_speed, num_bytes)
+        return self._policy(hop.peer_id, self.hop_bandwidth(hop), hop.codecs, session.compression, hop.decode_speed,
+                            num_bytes)
+
+    def hop_bandwidth(self, hop: Hop) -> float:
+        """Bytes/s to the next server: the slower of this server's link and the one it announced."""
+        return min(self.link_bandwidth, hop.link_bandwidth or self.link_bandwidth)
 
     def reply_policy(self, session: Session, client_decode_speed: float | None = None,
                      num_bytes: int = 0) -> CompressionPolicy:
@@ -272,7 +276,7 @@ class BlockServicer:
                                 failed_peer=peer_id))
 
         session.push_channel = PushChannel(self.p2p, hop.peer_id, hop.session_id, report, self.settings.push_buffer_bytes,
-                                           self.push_stats, self.settings.push_timeout)
+                                           self.push_stats, self.settings.push_timeout, self.hop_bandwidth(hop))
         return session.push_channel
 
     @staticmethod

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from bloombee.planner.rules import transfer_seconds
 from bloombee.protocol import AckMessage, ErrorMessage, parse_message
 from bloombee.protocol.service import block_service_stub
 
@@ -30,14 +31,16 @@ class PushChannel:
     At most `buffer_bytes` wait in the channel for the stream to take them (one message always may):
     past that, `send` waits, so a next server that stops reading slows this one down. A push fails when
     the stream breaks, when the next server does not acknowledge a step within `timeout` seconds of
-    taking it, or when the buffer has no room for that long.
+    when its bytes should have arrived over the link (`bandwidth` bytes/s, after those sent before it),
+    or when the buffer has no room for `timeout` seconds.
     """
 
     def __init__(self, p2p: P2P, peer_id: str, session_id: str, on_failure: Callable[[str, str], None],
-                 buffer_bytes: int, stats: PushStats, timeout: float):
+                 buffer_bytes: int, stats: PushStats, timeout: float, bandwidth: float):
         self.peer_id, self.session_id = peer_id, session_id
-        self.buffer_bytes, self.stats, self.timeout = buffer_bytes, stats, timeout
-        self._sent: dict[tuple[int, int], float] = {}  # (step id, row) -> when the stream took it, until acked
+        self.buffer_bytes, self.stats, self.timeout, self.bandwidth = buffer_bytes, stats, timeout, bandwidth
+        self._sent: dict[tuple[int, int], float] = {}  # (step id, row) -> when its ack is overdue, until acked
+        self._arrives_by = 0.0  # when the last message the stream took should have arrived
         self._stub = block_service_stub(p2p, peer_id)
         self._outbox: deque[tuple[runtime_pb2.ExpertRequest, int, tuple[int, int]]] = deque()
         self._queued_bytes = 0
@@ -96,7 +99,8 @@ class PushChannel:
                     return
                 envelope, size, key = self._outbox.popleft()
                 self._queued_bytes -= size
-                self._sent[key] = time.perf_counter()
+                self._arrives_by = max(time.perf_counter(), self._arrives_by) + transfer_seconds(size, self.bandwidth)
+                self._sent[key] = self._arrives_by + self.timeout
                 self._changed.notify_all()
             yield envelope
 
@@ -115,12 +119,14 @@ class PushChannel:
             await self._fail("the next server closed the push stream")
 
     async def _watch_acks(self) -> None:
-        """Fail the channel when the oldest step the stream took has gone unacknowledged for `timeout` seconds."""
+        """Fail the channel when a step the stream took has gone unacknowledged for `timeout` seconds past when it should
+        have arrived."""
         while not (self.failed or self._closing):
             await asyncio.sleep(min(self.timeout / 4, 0.5))
-            oldest = min(self._sent.values(), default=None)
-            if oldest is not None and time.perf_counter() - oldest > self.timeout:
-                await self._fail(f"no acknowledgement within {self.timeout:g} s")
+            first_due = min(self._sent.values(), default=None)
+            if first_due is not None and time.perf_counter() > first_due:
+                await self._fail(f"no acknowledgement within {self.timeout:g} s of the step's arrival at "
+                                 f"{self.bandwidth * 8 / 1e6:g} Mbit/s")
 
     async def _fail(self, reason: str) -> None:
         if self.failed:
