@@ -39,8 +39,8 @@ class ServerSettings(BaseModel):
     quant_type: str = Field("auto", description="precision of the blocks' linear weights: none (--dtype), int8 "
                             "(LLM.int8, ~0.25x float32's bytes) or nf4 (QLoRA 4-bit, ~0.13x); computed in --dtype. "
                             "auto: nf4 on CUDA, as Petals loads by default (about 4x the blocks of float16 per GPU, so "
-                            "fewer servers and hops in a chain); none on a CPU, where dequantising costs more time "
-                            "than the bytes save")
+                            "fewer servers and hops in a chain); none on a CPU, which then computes exactly what "
+                            "transformers does (int8 and nf4 are faster there only with AVX-512)")
     num_threads: int = Field(0, ge=0, description="torch threads for compute; 0 = one per core (bloombee's local swarms "
                              "and tests pass 1 per server so that several servers on one machine do not oversubscribe it)")
     connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")

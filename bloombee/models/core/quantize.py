@@ -46,8 +46,8 @@ class QuantizationUnsupported(ValueError):
 
 def resolve_quant_type(setting: str, device: torch.device, checkpoint: QuantType = "none") -> QuantType:
     """The precision a server loads: a checkpoint saved quantised (``checkpoint``) in its own; else ``auto`` -> nf4 on
-    CUDA (what Petals loads by default: ~4x the blocks per GPU, so fewer hops), none elsewhere (on a CPU the
-    dequantising matmul is slower than the dtype's); otherwise the setting, checked."""
+    CUDA (what Petals loads by default: ~4x the blocks per GPU, so fewer hops), none elsewhere (a CPU then computes
+    exactly what transformers does); otherwise the setting, checked."""
     if checkpoint != "none":
         if setting not in ("auto", checkpoint):
             raise QuantizationUnsupported(f"this checkpoint holds {checkpoint} weights; serve it with --quant-type "
