@@ -41,6 +41,9 @@ class ServerSettings(BaseModel):
                             "auto: nf4 on CUDA, as Petals loads by default (about 4x the blocks of float16 per GPU, so "
                             "fewer servers and hops in a chain); none on a CPU, which then computes exactly what "
                             "transformers does (int8 and nf4 are faster there only with AVX-512)")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this TCP port "
+                                     "(/metrics; unset: not served)")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics port listens on")
     num_threads: int = Field(0, ge=0, description="torch threads for compute; 0 = one per core (bloombee's local swarms "
                              "and tests pass 1 per server so that several servers on one machine do not oversubscribe it)")
     connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")
@@ -166,6 +169,9 @@ class ApiSettings(BaseModel):
     max_tokens: int = Field(2048, ge=1, description="most new tokens one request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="new tokens of a request that sets no max_tokens")
     status_refresh_seconds: float = Field(5.0, gt=0, description="how often /status reloads itself, seconds")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this TCP port "
+                                     "(/metrics; unset: not served)")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics port listens on")
 
 
 def load_settings(cls: type[SettingsT], overrides: dict[str, Any] | None = None) -> SettingsT:

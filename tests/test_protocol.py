@@ -35,7 +35,9 @@ from bloombee.protocol import (
 )
 from bloombee.server.backend import error_reply
 from bloombee.server.pipeline import PipelineContext, SessionPipeline
-from bloombee.server.sessions import Session
+from bloombee.server.memory import MemoryBudget
+from bloombee.server.metrics import ServerMetrics
+from bloombee.server.sessions import Session, SessionRegistry
 from bloombee.speculative.tree import PackedTrees, TokenTree
 
 
@@ -143,8 +145,9 @@ async def in_this_thread(fn, *args):
                                          (InvalidStep("a step that does not fit"), ErrorKind.INVALID)])
 def test_a_step_whose_compute_raises_is_answered_by_who_is_at_fault(error, kind):
     session = Session("s", 0, 1, 1, 8, [], torch.zeros(1, 8, dtype=torch.bool), torch.zeros(1, 8, 4))
+    metrics = ServerMetrics(SessionRegistry(MemoryBudget(1 << 20, 1 << 20)))
     context = PipelineContext(FailingBackend(error), None, "peer", 5.0, 1 << 20, in_this_thread, in_this_thread,
-                              None, None, None, None)
+                              None, None, None, None, metrics)
 
     async def replies():
         pipeline = SessionPipeline(context, session)
@@ -155,3 +158,4 @@ def test_a_step_whose_compute_raises_is_answered_by_who_is_at_fault(error, kind)
 
     (message,) = asyncio.run(replies())
     assert isinstance(message, ErrorMessage) and (message.error_kind, message.step_id) == (kind, 3)
+    assert metrics.registry.get_sample_value("bloombee_server_refusals_total", {"reason": kind.value}) == 1

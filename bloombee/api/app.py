@@ -24,4 +24,5 @@ def create_app(engine: Engine) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.include_router(build_router(engine))
+    engine.metrics.instrument(app)
     return app

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from bloombee.api.chat_template import ChatFormatter
 from bloombee.api.errors import APIError, invalid
 from bloombee.api.generation import Job, run_batch
+from bloombee.api.metrics import ApiMetrics
 from bloombee.api.scheduler import Scheduler
 from bloombee.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from bloombee.client.swarm_status import ModelStatus, model_status
@@ -36,6 +37,7 @@ class Engine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids), 0)
         self.scheduler = Scheduler(self._run, settings.max_sessions, settings.max_queue, settings.max_batch_rows,
                                    settings.batch_window_ms / 1000)
+        self.metrics = ApiMetrics(self.scheduler)
 
     def _run(self, jobs: list[Job]) -> None:
         run_batch(self.model, self.tokenizer, jobs, self.pad_id, self.eos_ids)

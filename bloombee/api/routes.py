@@ -9,6 +9,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from bloombee.api.engine import Engine, Prepared
 from bloombee.api.generation import DONE, Delta, Failed, Finish
+from bloombee.api.metrics import ApiMetrics
 from bloombee.api.responses import ResponseFormat, Usage, sse
 from bloombee.api.schemas import ChatCompletionRequest, CompletionRequest
 from bloombee.api.status_page import render_status
@@ -27,11 +28,11 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await respond(engine.completion(body), ResponseFormat(engine.name, chat=False), request)
+        return await respond(engine.completion(body), ResponseFormat(engine.name, chat=False), request, engine.metrics)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await respond(engine.chat(body), ResponseFormat(engine.name, chat=True), request)
+        return await respond(engine.chat(body), ResponseFormat(engine.name, chat=True), request, engine.metrics)
 
     @router.get("/status.json")
     async def status_json() -> dict:
@@ -46,10 +47,10 @@ def build_router(engine: Engine) -> APIRouter:
     return router
 
 
-async def respond(prepared: Prepared, form: ResponseFormat, request: Request):
+async def respond(prepared: Prepared, form: ResponseFormat, request: Request, metrics: ApiMetrics):
     if prepared.stream:
-        return StreamingResponse(stream(prepared, form), media_type="text/event-stream")
-    return await collect(prepared, form, request)
+        return StreamingResponse(stream(prepared, form, metrics), media_type="text/event-stream")
+    return await collect(prepared, form, request, metrics)
 
 
 async def next_event(prepared: Prepared, request: Request):
@@ -64,7 +65,7 @@ async def next_event(prepared: Prepared, request: Request):
                 return DONE
 
 
-async def collect(prepared: Prepared, form: ResponseFormat, request: Request) -> JSONResponse:
+async def collect(prepared: Prepared, form: ResponseFormat, request: Request, metrics: ApiMetrics) -> JSONResponse:
     """A whole response at once."""
     texts: dict[int, str] = {}
     finishes: dict[int, str] = {}
@@ -75,12 +76,13 @@ async def collect(prepared: Prepared, form: ResponseFormat, request: Request) ->
         elif isinstance(event, Finish):
             finishes[event.choice] = event.reason
             usage.completion_tokens += event.completion_tokens
+            metrics.completion_tokens.inc(event.completion_tokens)
         elif isinstance(event, Failed):
             return JSONResponse(event.error.body(), status_code=event.error.status)
     return JSONResponse(form.body(texts, finishes, usage))
 
 
-async def stream(prepared: Prepared, form: ResponseFormat) -> AsyncIterator[str]:
+async def stream(prepared: Prepared, form: ResponseFormat, metrics: ApiMetrics) -> AsyncIterator[str]:
     """Server-sent events: one chunk per piece of text, a finish chunk per choice, usage if asked, [DONE]."""
     job = prepared.job
     usage = Usage(job.prompt_tokens)
@@ -92,6 +94,7 @@ async def stream(prepared: Prepared, form: ResponseFormat) -> AsyncIterator[str]
                 yield sse(form.chunk(event.choice, event.text))
             elif isinstance(event, Finish):
                 usage.completion_tokens += event.completion_tokens
+                metrics.completion_tokens.inc(event.completion_tokens)
                 yield sse(form.chunk(event.choice, "", event.reason))
             elif isinstance(event, Failed):
                 yield sse(event.error.body())

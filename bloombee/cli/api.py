@@ -52,7 +52,11 @@ def serve(args: argparse.Namespace) -> None:
     model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=dtype,
                                                  **client_settings.model_dump())
     with model:  # its DHT peer and p2p daemon end with the server
-        app = create_app(Engine(model, tokenizer, args.model, settings))
+        engine = Engine(model, tokenizer, args.model, settings)
+        app = create_app(engine)
+        if settings.metrics_port is not None:
+            engine.metrics.serve(settings.metrics_host, settings.metrics_port)
+            print(f"Metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics", flush=True)
         print(f"Serving {args.model} on http://{settings.host}:{settings.port}/v1 (swarm status: /status)", flush=True)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level(args), access_log=False)
 

@@ -28,7 +28,6 @@ from bloombee.protocol import (
     OutputMessage,
     StepHeader,
     StepMessage,
-    error_envelope,
     pack,
     parse_message,
     step_kind,
@@ -40,6 +39,7 @@ from bloombee.server.backend import BAD_INPUT, BlockBackend, error_reply
 from bloombee.server.pipeline import PipelineContext, SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.memory import SessionRefused
+from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session, SessionRegistry
 from bloombee.server.throughput import ThroughputMeter
 from bloombee.settings import ServerSettings
@@ -57,9 +57,10 @@ class BlockServicer:
     """Serves one block range; one instance per server process, registered on the server's P2P."""
 
     def __init__(self, backend: BlockBackend, registry: SessionRegistry, settings: ServerSettings, info: Callable[[], dict],
-                 link_bandwidth: float, meter: ThroughputMeter):
+                 link_bandwidth: float, meter: ThroughputMeter, metrics: ServerMetrics):
         self.backend, self.registry, self.settings, self._info = backend, registry, settings, info
         self.meter = meter  # the announced throughput, refreshed from the steps served
+        self.metrics = metrics
         self.link_bandwidth = link_bandwidth
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
@@ -82,7 +83,7 @@ class BlockServicer:
             if request.tensors:
                 raise InvalidStep("an info request carries no tensors")
         except BAD_INPUT as error:
-            return error_envelope(ErrorKind.INVALID, f"malformed info request: {error}")
+            return self.metrics.refusal(ErrorKind.INVALID, f"malformed info request: {error}")
         return pack(InfoMessage(info=self._info()))
 
     async def rpc_forward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
@@ -97,7 +98,7 @@ class BlockServicer:
                 kind, text = error_reply(error)
                 if kind == ErrorKind.INTERNAL:
                     logger.exception("A forward request failed")
-                yield error_envelope(kind, text)
+                yield self.metrics.refusal(kind, text)
 
     def _check_forward(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
         """Raise InvalidStep unless a forward request is one, with hidden states, within this server's length limits:
@@ -116,12 +117,12 @@ class BlockServicer:
             try:
                 session, header = self._check_push(request)
             except BAD_INPUT as error:
-                yield error_envelope(ErrorKind.INVALID, f"malformed push: {error}")
+                yield self.metrics.refusal(ErrorKind.INVALID, f"malformed push: {error}")
                 continue
             try:
                 await asyncio.wait_for(session.inbox.put(request), self.settings.push_timeout)
             except asyncio.TimeoutError:
-                yield error_envelope(ErrorKind.REFUSED, f"session {header.session_id} took no push for "
+                yield self.metrics.refusal(ErrorKind.REFUSED, f"session {header.session_id} took no push for "
                                      f"{self.settings.push_timeout:g} s", header.step_id)
                 continue
             yield pack(AckMessage(step_id=header.step_id, batch_offset=header.batch_offset))
@@ -153,11 +154,11 @@ class BlockServicer:
         try:
             session = await self._open_session(first, context.remote_id.to_base58())
         except BAD_INPUT as error:
-            yield error_envelope(ErrorKind.INVALID, str(error))
+            yield self.metrics.refusal(ErrorKind.INVALID, str(error))
             await _until_client_ends(requests)
             return
         except SessionRefused as error:
-            yield error_envelope(ErrorKind.REFUSED, str(error))
+            yield self.metrics.refusal(ErrorKind.REFUSED, str(error))
             await _until_client_ends(requests)
             return
         self.sessions_served += 1
@@ -176,7 +177,7 @@ class BlockServicer:
     def _pipeline_context(self) -> PipelineContext:
         return PipelineContext(self.backend, self.meter, self.peer_id, self.settings.session_timeout,
                                self.max_request_bytes, self.run_compute, self.run_codec, self.open_push, self.push,
-                               self.push_policy, self.reply_policy)
+                               self.push_policy, self.reply_policy, self.metrics)
 
     async def _open_session(self, envelope: Envelope, client_peer: str) -> Session:
         message = parse_message(envelope.metadata)
@@ -256,7 +257,8 @@ class BlockServicer:
             await channel.send(envelope_of(StepMessage(step=next_header), encoded.frames),
                                header.step_id, header.batch_offset)
         except Exception as error:
-            return error_envelope(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id, hop.peer_id)
+            return self.metrics.refusal(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id,
+                                hop.peer_id)
         return None
 
     async def open_push(self, session: Session, hop: Hop, notify: Callable[[Message], None]) -> None:

@@ -42,13 +42,13 @@ from bloombee.protocol import (
     TreeStep,
     encode_tensors,
     envelope,
-    error_envelope,
     pack,
     parse_message,
     parse_step,
     unpack_timed,
 )
 from bloombee.server.backend import BAD_INPUT, BlockBackend, error_reply
+from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session
 from bloombee.server.throughput import ThroughputMeter
 
@@ -76,6 +76,7 @@ class PipelineContext:
     push: Callable[[Session, StepHeader, EncodedTensors, Notify], Awaitable[Envelope | None]]
     push_policy: Callable[[Session, Hop, int], CompressionPolicy]
     reply_policy: Callable[[Session, float | None, int], CompressionPolicy]
+    metrics: ServerMetrics
 
 
 @dataclass
@@ -135,7 +136,7 @@ class SessionPipeline:
             self.replies.put_nowait(_END)
 
     def _error(self, kind: ErrorKind, text: str, step_id: int | None) -> None:
-        self.replies.put_nowait(error_envelope(kind, text, step_id))
+        self.replies.put_nowait(self.context.metrics.refusal(kind, text, step_id))
 
     # -- stage 1: receive and decode ---------------------------------------------------------
 
@@ -169,6 +170,7 @@ class SessionPipeline:
             if header.route and self.session.push_channel is None:
                 await self.context.open_push(self.session, header.route[0], self.notify)
             began, decode_at = time.perf_counter(), time.time()
+            self.context.metrics.hop_bytes.labels("in").inc(sum(len(frame.buffer) for frame in item.tensors))
             _, tensors, cpu_s = await self.context.run_codec(unpack_timed, item, self.context.max_request_bytes,
                                                              STEP_TENSORS)
             step, compaction = parse_step(tensors, header.compact_start is not None)
@@ -220,6 +222,8 @@ class SessionPipeline:
                 sent_on = await self._linear_step(header, step, duplicate, decoded.compaction)
             self._remember(key)
             compute_at, compute_s, compute_cpu_s = self._computed
+            if not duplicate:
+                self.context.metrics.observe_step(step.hidden.shape[0], compute_s)
         except Exception as error:
             self._failed(header, error)
             return None
@@ -331,6 +335,7 @@ class SessionPipeline:
         report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
                                                wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
         reports = header.reports + (report,)
+        self.context.metrics.hop_bytes.labels("out").inc(encoded.wire_bytes)
         if next_hop is None:
             reply = OutputMessage(step_id=header.step_id, batch_offset=header.batch_offset, reports=reports)
             self.replies.put_nowait(envelope(reply, encoded.frames))

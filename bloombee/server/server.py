@@ -24,6 +24,7 @@ from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
+from bloombee.server.metrics import ServerMetrics
 from bloombee.server.profile import cached_profile, measure_profile
 from bloombee.server.memory import (
     CUDA_RESERVED,
@@ -83,7 +84,9 @@ class Server:
         self.backend = self._load(*self._initial_range())
         self.registry = SessionRegistry(self._session_budget(), self._sessions_changed.set)
         self.profile = self._profile(Path(profile_path) if profile_path else None) if profile or profile_path else None
-        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth, self.meter)
+        self.metrics = ServerMetrics(self.registry)
+        self.servicer = BlockServicer(self.backend, self.registry, settings, self.info, link_bandwidth, self.meter,
+                                      self.metrics)
 
     def _initial_range(self) -> tuple[int, int]:
         if self.blocks.start is not None and self.blocks.end is not None:
@@ -233,6 +236,9 @@ class Server:
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
         await self.servicer.start(p2p)
+        if self.settings.metrics_port is not None:
+            self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+            logger.info("Serving metrics on http://%s:%d/metrics", self.settings.metrics_host, self.settings.metrics_port)
         self.state = ServerState.ONLINE
         logger.info("Serving blocks [%d, %d) of %s as %s", self.backend.start, self.backend.end, self.prefix, self.dht.peer_id)
         try:
