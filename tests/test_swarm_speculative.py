@@ -196,6 +196,19 @@ def test_assistant_model_and_a_draft_name_work_like_draft_model(model, draft, to
     assert torch.equal(by_assistant, by_draft) and torch.equal(by_name, by_draft)
 
 
+def test_draft_model_none_decodes_plainly(model, tokenizer):
+    """bloombee-tiny's generation config names a default draft; draft_model="none" turns speculation off."""
+    ids = tokenizer(PROMPTS[2:3], return_tensors="pt").input_ids
+    model.last_speculation = None
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, draft_model="none")
+    assert model.last_speculation is None
+    with model.inference_session(max_length=ids.shape[1] + 12):
+        plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, plain)
+    model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert model.last_speculation is not None  # without it, the default draft speculates
+
+
 def test_bad_arguments_are_refused_clearly(model, draft, tokenizer):
     ids = tokenizer(LONG_PROMPTS[:1], return_tensors="pt").input_ids
     with pytest.raises(TypeError, match="does not take.*num_return_sequences"):

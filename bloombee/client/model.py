@@ -113,15 +113,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     @torch.inference_mode()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' generate(), run through a session (the active one, or one opened for this call); with
-        `draft_model=` (or `assistant_model=`) speculative, in a session of its own (bloombee.speculative)."""
+        `draft_model=` (or `assistant_model=`, or the draft_model setting) speculative, in a session of its own
+        (bloombee.speculative); `draft_model="none"` decodes plainly."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
         draft = kwargs.pop("draft_model", None) or kwargs.pop("assistant_model", None)
-        if draft is not None:
-            if args or self._active.get() is not None:
-                raise ValueError("speculative generation takes keyword arguments only and opens its own session: "
-                                 "call it outside `with model.inference_session(...)`")
-            return speculative_generate(self, input_ids, draft, **kwargs)
-        draft = self._default_draft(args, kwargs)
+        if draft is None:
+            draft = self._default_draft(args, kwargs)
+        elif isinstance(draft, str) and draft == "none":
+            draft = None
+        elif args or self._active.get() is not None:
+            raise ValueError("speculative generation takes keyword arguments only and opens its own session: "
+                             "call it outside `with model.inference_session(...)`")
         if draft is not None:
             return speculative_generate(self, input_ids, draft, **kwargs)
         kwargs["use_cache"] = False
