@@ -17,6 +17,9 @@ class ServerSettings(BaseModel):
 
     max_batch_size: int = Field(32, ge=1, description="largest batch one inference session may open")
     max_length: int = Field(4096, ge=1, description="longest sequence (prompt + generated) one session may open")
+    max_chunk_tokens: int = Field(2048, ge=1, description="most tokens (rows x positions) one step of consecutive "
+                                  "tokens may carry: clients send longer prompts as chunks of this size, and other "
+                                  "sessions' steps take turns with them")
     cache_tokens: int = Field(16384, ge=1, description="batch x length tokens of sessions the server expects at once: "
                               "--offload auto keeps this much KV cache in device memory if it can")
     device_memory: str = Field("auto", description="device memory for weights, KV cache and workspace, e.g. 20GiB, "

@@ -17,6 +17,7 @@ from swarm_support import KillServerAt, client, reference, save_tiny_llama, star
 SERVERS = {"a": "0:3", "b": "3:5", "c": "5:8", "d": "3:8", "e": "3:5"}
 THREE, TWO = ["a", "b", "c"], ["a", "d"]
 PUSH_BUFFER = 65536
+WHOLE_STEP_TOKENS = 32 * 600  # the back-pressure test's step goes whole, not in chunks
 PROMPTS = torch.randint(3, 120, (8, 6), generator=torch.Generator().manual_seed(5))
 
 
@@ -27,7 +28,8 @@ def swarm(tmp_path_factory):
     try:
         for name, blocks in SERVERS.items():
             swarm.add_server("--blocks", blocks, "--dtype", "float32", "--max-length", "640",
-                             "--push-buffer-bytes", str(PUSH_BUFFER), name=name, wait=False)
+                             "--push-buffer-bytes", str(PUSH_BUFFER), "--max-chunk-tokens", str(WHOLE_STEP_TOKENS),
+                             name=name, wait=False)
         swarm.wait_online(list(SERVERS))
         yield swarm
     finally:

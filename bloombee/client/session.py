@@ -163,6 +163,7 @@ class InferenceSession:
         return self._step_id
 
     async def _step(self, hidden: torch.Tensor, token_mask: torch.Tensor | None, start_position: int | None) -> torch.Tensor:
+        """The step, sent as chunks of as many positions as every server of the chain takes in one step."""
         self._check_open()
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
         start = self.position if start_position is None else start_position
@@ -172,6 +173,22 @@ class InferenceSession:
             raise ValueError(f"this session was opened for batch size {self.batch_size}, got hidden states of batch {batch}")
         self._check_positions(start, num_tokens)
         mask = torch.ones(batch, num_tokens, dtype=torch.bool) if token_mask is None else token_mask.to(torch.bool).cpu()
+        outputs, done = [], 0
+        while not outputs or done < num_tokens:
+            chunk = slice(done, done + self._chunk_positions())
+            outputs.append(await self._linear_step(hidden[:, chunk], mask[:, chunk], start + done))
+            done += outputs[-1].shape[1]
+        return torch.cat(outputs, dim=1)
+
+    def _chunk_positions(self) -> int:
+        """Positions of the whole batch that the chain's servers take in one step (their --max-chunk-tokens)."""
+        limits = [stream.span.record.max_chunk_tokens for stream in self.streams
+                  if stream.span.record.max_chunk_tokens is not None]
+        return max(min(limits) // self.batch_size, 1) if limits else self.max_length
+
+    async def _linear_step(self, hidden: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+        """One step of consecutive tokens at positions [start, start + T) through the chain."""
+        num_tokens = hidden.shape[1]
         self._write_history(start, hidden, mask)
 
         def parts_of(parts: list[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:

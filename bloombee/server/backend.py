@@ -42,6 +42,7 @@ class BlockBackend:
         self.offload = offload  # fraction of each block's KV heads that sessions keep in host memory
         self.pruner = pruner  # the proxy head and keep classifier for the hidden states after block `end`
         self.weight_bytes = module_weight_bytes(stack)  # the hosted blocks' weights on the device, scales included
+        self.max_chunk_tokens: int | None = None  # most tokens (rows x positions) of one step of consecutive tokens
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -98,6 +99,13 @@ class BlockBackend:
         for name, tensor in (("token_mask", token_mask), ("rope_positions", rope_positions)):
             if tensor is not None and tuple(tensor.shape) != (batch, num_tokens):
                 raise InvalidStep(f"{name} must have shape {[batch, num_tokens]}, got {list(tensor.shape)}")
+
+    def check_chunk(self, hidden: torch.Tensor) -> None:
+        """Raise InvalidStep if a client's step of consecutive tokens carries more than --max-chunk-tokens."""
+        batch, num_tokens = hidden.shape[0], hidden.shape[1]
+        if self.max_chunk_tokens is not None and batch * num_tokens > self.max_chunk_tokens:
+            raise InvalidStep(f"a step of {batch} rows x {num_tokens} tokens is over this server's --max-chunk-tokens "
+                              f"{self.max_chunk_tokens}; send it as chunks of at most that many tokens")
 
     @torch.inference_mode()
     def step(

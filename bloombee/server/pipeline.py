@@ -247,6 +247,7 @@ class SessionPipeline:
                            compaction: Compaction | None) -> LinearStep:
         """A step of consecutive tokens, its output as sent on; one that came before is not computed again."""
         step_args = (header.start_position, header.batch_offset, step.token_mask, step.rope_positions)
+        self.context.backend.check_chunk(step.hidden)
         if duplicate:
             if compaction is not None:
                 await self.context.run_compute(self._compact, header, compaction)

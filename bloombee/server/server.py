@@ -121,6 +121,7 @@ class Server:
         backend = BlockBackend(stack, self.device, stack.dtype,
                                pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
+        backend.max_chunk_tokens = self.settings.max_chunk_tokens
         self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s with %s weights (%s), %.0f%% of the KV cache in host "
                     "memory", start, end, self.model_path, self.device, backend.dtype, self.quant_type,
@@ -191,6 +192,7 @@ class Server:
             features=announced_features(pruner=self.backend.pruner is not None),
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
+            max_chunk_tokens=self.settings.max_chunk_tokens,
             planned_batch_size=self.planned[0] if self.planned else None,
             planned_micro_batches=self.planned[1] if self.planned else None,
         )
