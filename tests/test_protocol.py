@@ -133,6 +133,9 @@ class FailingBackend:
     def check_step(self, *args) -> None:
         pass
 
+    def check_chunk(self, *args) -> None:
+        pass
+
     def step(self, *args):
         raise self.error
 

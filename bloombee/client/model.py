@@ -31,6 +31,7 @@ class _ActiveSession:
     session: InferenceSession
     base: int = 0  # session position where the current generate() call's input_ids start
     pending_ids: torch.Tensor | None = None  # last generated tokens, not yet run through the blocks
+    rows: torch.Tensor | None = None  # the ids of the current generate() call's last step, row by row
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -130,7 +131,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if self._active.get() is None:
             new_tokens = kwargs.get("max_new_tokens") or (self.generation_config.max_new_tokens or 0)
             max_length = input_ids.shape[1] + new_tokens if new_tokens else kwargs.get("max_length", self.generation_config.max_length)
-            with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0]):
+            with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0] * self._rows_per_input(kwargs)):
                 return self._generate_in_session(input_ids, *args, **kwargs)
         return self._generate_in_session(input_ids, *args, **kwargs)
 
@@ -153,8 +154,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return None
         return self.settings_draft()
 
+    def _rows_per_input(self, kwargs: dict) -> int:
+        """Rows generate() runs per input row: its beams, else its sampled return sequences."""
+        beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
+        return beams if beams > 1 else kwargs.get("num_return_sequences") or self.generation_config.num_return_sequences or 1
+
     def _generate_in_session(self, input_ids: torch.Tensor, *args, **kwargs):
         active = self._active.get()
+        active.rows = None
         if active.pending_ids is not None:
             input_ids = torch.cat([active.pending_ids, input_ids], dim=1)
             if kwargs.get("attention_mask") is not None:
@@ -176,6 +183,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             hidden = self.remote.forward(self.head.embed(input_ids), attention_mask)
             return CausalLMOutputWithPast(logits=self.head.logits(hidden))
         seen = active.session.position - active.base
+        if active.rows is not None and seen:
+            hypotheses = continued_rows(active.rows, input_ids)
+            if hypotheses is not None:
+                active.session.reorder(hypotheses)
+        active.rows = input_ids
         new_ids = input_ids[:, seen:]
         token_mask = attention_mask[:, seen:] if attention_mask is not None else None
         hidden = active.session.step(self.head.embed(new_ids), token_mask)
@@ -184,6 +196,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     @property
     def head_dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
+
+
+def continued_rows(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor | None:
+    """For each row of `current` (generate()'s ids now), the row of `previous` (its ids at the last step) it
+    continues, itself where it can; None when every row continues itself. Beam search reorders rows this way."""
+    prefix = current[:, :previous.shape[1]]
+    same = (prefix[:, None, :] == previous[None, :, :]).all(-1)  # [row now, row before]
+    if not bool(same.any(1).all()):
+        raise ValueError("generate()'s input_ids no longer continue the rows this session computed")
+    own = torch.arange(len(prefix))
+    rows = torch.where(same[own, own], own, same.to(torch.int8).argmax(1))
+    return None if torch.equal(rows, own) else rows
 
 
 AutoDistributedModelForCausalLM = DistributedModelForCausalLM

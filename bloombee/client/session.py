@@ -84,6 +84,8 @@ class InferenceSession:
         self.verifier = Verifier(manager, p2p, settings, policy_for)
         self._tree: tuple[int, int] | None = None  # (first slot, width) of the last tree step
         self._compaction: tuple[int, list[torch.Tensor]] | None = None  # its accepted nodes, until the servers have them
+        self.rows_version = 0  # reorders of the rows so far (beam search)
+        self._pending_rows: torch.Tensor | None = None  # the last reorder, until a step has taken it to every server
 
     @property
     def spans(self) -> list[Span]:
@@ -103,6 +105,26 @@ class InferenceSession:
     def step(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None, start_position: int | None = None) -> torch.Tensor:
         """Run `hidden` [batch, T, H] at positions [start, start + T) (default: where the last step ended)."""
         return run_sync(self._step(hidden, token_mask, start_position))
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """From the next step on, row i continues what row rows[i] held (beam search's hypotheses): the client's
+        history now, the servers' caches with that step."""
+        if rows.shape != (self.batch_size,) or not bool(((rows >= 0) & (rows < self.batch_size)).all()):
+            raise ValueError(f"a reorder names one row of the session's {self.batch_size} per row, got {rows.tolist()}")
+        lacking = [span.record.public_name or span.peer_id for span in self.spans
+                   if Feature.REORDER_ROWS not in span.record.features]
+        if lacking:
+            raise ValueError(f"reordering rows (beam search) needs servers that announce {Feature.REORDER_ROWS.value}; "
+                             f"{', '.join(lacking)} do not")
+        with torch.inference_mode():
+            if self.input_history is not None:
+                self.input_history[:, :self.position] = self.input_history[rows, :self.position]
+            self.mask_history[:, :self.position] = self.mask_history[rows, :self.position]
+        if self._pending_rows is None:
+            self.rows_version += 1
+            self._pending_rows = rows.clone()
+        else:
+            self._pending_rows = self._pending_rows[rows]
 
     def close(self) -> None:
         if not self._closed:
@@ -200,9 +222,15 @@ class InferenceSession:
                 await self._verify(start + num_tokens, joined(outputs, parts))
             self._learn_chain_figures(num_tokens, start + num_tokens)
 
-        outputs, parts = await self._with_retries(start, num_tokens, parts_of, check)
+        outputs, parts = await self._with_retries(start, num_tokens, parts_of, check, **self._rows_header())
+        self._pending_rows = None
         self.position = start + num_tokens
         return joined(outputs, parts)
+
+    def _rows_header(self) -> dict:
+        """The step header's rows_version and, while a reorder is pending, the reorder."""
+        pending = self._pending_rows
+        return {"rows_version": self.rows_version, "reorder": None if pending is None else tuple(pending.tolist())}
 
     def _check_open(self) -> None:
         if self._events is None or self._closed:
@@ -536,13 +564,14 @@ class InferenceSession:
             step_ids.append(self._next_step_id())
             positions = slice(shape.start, shape.start + shape.tokens)
             await self._send_step(chain, step_ids[-1], shape.start, self._linear_parts(
-                history[:, positions], self.mask_history[:, positions], shape.parts), False, stats)
+                history[:, positions], self.mask_history[:, positions], shape.parts), False, stats,
+                rows_version=self.rows_version)
         await self._await(chain, step_ids[-1], MessageKind.ACK, expected, offsets=[offset for offset, _ in shapes[-1].parts],
                           earlier=frozenset(step_ids[:-1]))
         logger.info("Replayed %d positions onto %s as %d steps", end, [span.peer_id[-6:] for span in spans], len(shapes))
 
     async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
         step_id = self._next_step_id()
-        await stream.send(pack(HistoryMessage(end_position=end, step_id=step_id)))
+        await stream.send(pack(HistoryMessage(end_position=end, step_id=step_id, **self._rows_header())))
         expected = self.clock.announced([stream.span], self.batch_size * end)
         return (await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]["hidden"]

@@ -16,6 +16,7 @@ class Feature(StrEnum):
     SESSION_COMPRESSION = "session_compression"  # a session may ask for its own codec mode
     TREE_STEPS = "tree_steps"  # tree steps of speculative decoding (bloombee.protocol.steps.TreeStep)
     TREE_PRUNING = "tree_pruning"  # the server holds a pruner for its last block and prunes tree steps (prune_tau)
+    REORDER_ROWS = "reorder_rows"  # a step may reorder the session's rows first (beam search: rows_version, reorder)
 
 
 PROTOCOL_FEATURES = tuple(Feature)  # every feature this version speaks

@@ -112,6 +112,10 @@ class StepHeader(BaseModel):
                                     "candidates whose keep score is below this, with their descendants")
     compact_start: int | None = Field(None, ge=0, description="before this step, keep only the accepted nodes "
                                       "(compact_ids, compact_offsets) of the tree written from this slot")
+    rows_version: int = Field(0, ge=0, description="how many times the session's rows have been reordered when "
+                              "this step computes (0: as opened)")
+    reorder: tuple[int, ...] | None = Field(None, description="before this step, row i continues row reorder[i] "
+                                            "(beam search): the rows go from rows_version - 1 to rows_version")
 
 
 class _Message(BaseModel):
@@ -166,6 +170,9 @@ class HistoryMessage(_StepReply):
 
     kind: Literal[MessageKind.HISTORY] = MessageKind.HISTORY
     end_position: int
+    rows_version: int = Field(0, ge=0, description="the rows' reorders the history should reflect")
+    reorder: tuple[int, ...] | None = Field(None, description="the client's: the reorder to rows_version, which the "
+                                            "server may not have applied yet (StepHeader.reorder)")
 
 
 class ForwardMessage(_Message):

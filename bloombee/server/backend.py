@@ -100,6 +100,27 @@ class BlockBackend:
             if tensor is not None and tuple(tensor.shape) != (batch, num_tokens):
                 raise InvalidStep(f"{name} must have shape {[batch, num_tokens]}, got {list(tensor.shape)}")
 
+    @staticmethod
+    def follow_rows(session: Session, version: int, reorder: tuple[int, ...] | None, start_position: int) -> None:
+        """Bring the session's rows to `version`: apply `reorder` (row i continues row reorder[i]) when it is the next
+        one, or take the version as it stands when a replay rebuilds the rows from position 0 (already reordered)."""
+        have = session.rows_version
+        if version == have:
+            return
+        if reorder is not None and version == have + 1:
+            if len(reorder) != session.batch_size or not all(0 <= row < session.batch_size for row in reorder):
+                raise InvalidStep(f"a reorder names rows outside the session's {session.batch_size}, one per row")
+            if session.trees:
+                raise InvalidStep("a reorder came while tree steps wait for their accepted nodes")
+            rows = torch.tensor(reorder)
+            for cache in session.caches:
+                cache.reorder(rows)
+            session.token_mask.copy_(session.token_mask[rows])
+            session.output_history.copy_(session.output_history[rows])
+        elif reorder is not None or have != 0 or start_position != 0:
+            raise InvalidStep(f"the step expects the session's rows reordered {version} times; here they were {have}")
+        session.rows_version = version
+
     def check_chunk(self, hidden: torch.Tensor) -> None:
         """Raise InvalidStep if a client's step of consecutive tokens carries more than --max-chunk-tokens."""
         batch, num_tokens = hidden.shape[0], hidden.shape[1]

@@ -207,8 +207,14 @@ class SessionPipeline:
         end, session = message.end_position, self.session
         if not 0 <= end <= session.max_length:
             raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
-        reply = HistoryMessage(end_position=end, step_id=message.step_id)
-        return pack(reply, {"hidden": session.output_history[:, :end]}, self.context.reply_policy(session, None, 0))
+        history = session.output_history[:, :end]
+        if message.reorder is not None and message.rows_version == session.rows_version + 1:
+            history = history[torch.tensor(message.reorder)]  # the step that reorders has not reached this server
+        elif message.rows_version != session.rows_version:
+            raise InvalidStep(f"history of rows reordered {message.rows_version} times asked; here they were "
+                              f"{session.rows_version}")
+        reply = HistoryMessage(end_position=end, step_id=message.step_id, rows_version=message.rows_version)
+        return pack(reply, {"hidden": history}, self.context.reply_policy(session, None, 0))
 
     async def _compute(self, decoded: DecodedStep) -> ComputedStep | None:
         header, step = decoded.header, decoded.step
@@ -248,6 +254,9 @@ class SessionPipeline:
         """A step of consecutive tokens, its output as sent on; one that came before is not computed again."""
         step_args = (header.start_position, header.batch_offset, step.token_mask, step.rope_positions)
         self.context.backend.check_chunk(step.hidden)
+        if header.rows_version != self.session.rows_version:
+            await self.context.run_compute(self.context.backend.follow_rows, self.session, header.rows_version,
+                                           header.reorder, header.start_position)
         if duplicate:
             if compaction is not None:
                 await self.context.run_compute(self._compact, header, compaction)

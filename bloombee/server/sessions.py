@@ -41,6 +41,7 @@ class Session:
     held: SessionBytes = SessionBytes()  # what the session holds of the server's memory budget
     trees: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # row -> (first slot, node ids) of its
     # last tree, until the accepted nodes are known and compacted
+    rows_version: int = 0  # reorders of the rows applied (StepHeader.rows_version)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the session's tensors by device type: what `held` accounts for."""

@@ -64,6 +64,11 @@ class KVCache:
         self.v[rows].index_copy_(2, cache_positions, v.to(self.v.dtype))
         return self.k[rows, :, :length], self.v[rows, :, :length]
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row i takes what row ``rows[i]`` held (beam search's hypotheses)."""
+        self.k.copy_(self.k[rows.to(self.k.device)])
+        self.v.copy_(self.v[rows.to(self.v.device)])
+
     def compact(self, start: int, keep: list[torch.Tensor], batch_offset: int = 0) -> None:
         """Keep slots start + keep[r] of each row at start, start + 1, ... (``compact_slots``)."""
         compact_slots(self.k, 2, start, keep, batch_offset)

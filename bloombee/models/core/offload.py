@@ -61,6 +61,11 @@ class OffloadedKVCache:
                 total[kind] = total.get(kind, 0) + size
         return total
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        for part in (self.on_device, self.in_host):
+            if part is not None:
+                part.reorder(rows)
+
     def compact(self, start: int, keep: list[torch.Tensor], batch_offset: int = 0) -> None:
         for part in (self.on_device, self.in_host):
             if part is not None:
