@@ -123,6 +123,7 @@ class BlockBackend:
 
     def check_chunk(self, hidden: torch.Tensor) -> None:
         """Raise InvalidStep if a client's step of consecutive tokens carries more than --max-chunk-tokens."""
+        self._check_hidden(hidden)
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
         if self.max_chunk_tokens is not None and batch * num_tokens > self.max_chunk_tokens:
             raise InvalidStep(f"a step of {batch} rows x {num_tokens} tokens is over this server's --max-chunk-tokens "
