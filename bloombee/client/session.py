@@ -571,7 +571,14 @@ class InferenceSession:
         logger.info("Replayed %d positions onto %s as %d steps", end, [span.peer_id[-6:] for span in spans], len(shapes))
 
     async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
-        step_id = self._next_step_id()
-        await stream.send(pack(HistoryMessage(end_position=end, step_id=step_id, **self._rows_header())))
-        expected = self.clock.announced([stream.span], self.batch_size * end)
-        return (await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]["hidden"]
+        """The server's outputs for positions [0, end), fetched in chunks of its --max-chunk-tokens."""
+        limit = stream.span.record.max_chunk_tokens
+        per_message = max(limit // self.batch_size, 1) if limit is not None else end
+        parts = []
+        for start in range(0, end, per_message):
+            step_id, stop = self._next_step_id(), min(start + per_message, end)
+            await stream.send(pack(HistoryMessage(start_position=start, end_position=stop, step_id=step_id,
+                                                  **self._rows_header())))
+            expected = self.clock.announced([stream.span], self.batch_size * (stop - start))
+            parts.append((await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]["hidden"])
+        return torch.cat(parts, dim=1)

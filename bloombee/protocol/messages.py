@@ -166,9 +166,11 @@ class AckMessage(_StepReply):
 
 
 class HistoryMessage(_StepReply):
-    """Client -> server: send back your outputs for positions [0, end_position); server -> client: them."""
+    """Client -> server: send back your outputs for positions [start_position, end_position); server -> client:
+    them."""
 
     kind: Literal[MessageKind.HISTORY] = MessageKind.HISTORY
+    start_position: int = Field(0, ge=0)
     end_position: int
     rows_version: int = Field(0, ge=0, description="the rows' reorders the history should reflect")
     reorder: tuple[int, ...] | None = Field(None, description="the client's: the reorder to rows_version, which the "

@@ -203,17 +203,20 @@ class SessionPipeline:
         self.replies.put_nowait(reply)
 
     def _history_envelope(self, message: HistoryMessage) -> Envelope:
-        """This server's outputs for positions [0, end_position) of every row (for a replacement of the next server)."""
-        end, session = message.end_position, self.session
-        if not 0 <= end <= session.max_length:
-            raise InvalidStep(f"history end_position must be in [0, {session.max_length}], got {end}")
-        history = session.output_history[:, :end]
+        """This server's outputs for positions [start_position, end_position) of every row (for a replacement of the
+        next server)."""
+        start, end, session = message.start_position, message.end_position, self.session
+        if not start <= end <= session.max_length:
+            raise InvalidStep(f"history positions must be [start, end) within [0, {session.max_length}], got "
+                              f"[{start}, {end})")
+        history = session.output_history[:, start:end]
         if message.reorder is not None and message.rows_version == session.rows_version + 1:
             history = history[torch.tensor(message.reorder)]  # the step that reorders has not reached this server
         elif message.rows_version != session.rows_version:
             raise InvalidStep(f"history of rows reordered {message.rows_version} times asked; here they were "
                               f"{session.rows_version}")
-        reply = HistoryMessage(end_position=end, step_id=message.step_id, rows_version=message.rows_version)
+        reply = HistoryMessage(start_position=start, end_position=end, step_id=message.step_id,
+                               rows_version=message.rows_version)
         return pack(reply, {"hidden": history}, self.context.reply_policy(session, None, 0))
 
     async def _compute(self, decoded: DecodedStep) -> ComputedStep | None:
