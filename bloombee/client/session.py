@@ -197,14 +197,14 @@ class InferenceSession:
         mask = torch.ones(batch, num_tokens, dtype=torch.bool) if token_mask is None else token_mask.to(torch.bool).cpu()
         outputs, done = [], 0
         while not outputs or done < num_tokens:
-            chunk = slice(done, done + self._chunk_positions())
+            chunk = slice(done, done + self._chunk_positions(self.streams))
             outputs.append(await self._linear_step(hidden[:, chunk], mask[:, chunk], start + done))
             done += outputs[-1].shape[1]
         return torch.cat(outputs, dim=1)
 
-    def _chunk_positions(self) -> int:
-        """Positions of the whole batch that the chain's servers take in one step (their --max-chunk-tokens)."""
-        limits = [stream.span.record.max_chunk_tokens for stream in self.streams
+    def _chunk_positions(self, streams: Sequence[SpanStream]) -> int:
+        """Positions of the whole batch that all of `streams`' servers take in one message (--max-chunk-tokens)."""
+        limits = [stream.span.record.max_chunk_tokens for stream in streams
                   if stream.span.record.max_chunk_tokens is not None]
         return max(min(limits) // self.batch_size, 1) if limits else self.max_length
 
@@ -572,8 +572,7 @@ class InferenceSession:
 
     async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
         """The server's outputs for positions [0, end), fetched in chunks of its --max-chunk-tokens."""
-        limit = stream.span.record.max_chunk_tokens
-        per_message = max(limit // self.batch_size, 1) if limit is not None else end
+        per_message = self._chunk_positions([stream])
         parts = []
         for start in range(0, end, per_message):
             step_id, stop = self._next_step_id(), min(start + per_message, end)

@@ -101,24 +101,33 @@ class BlockBackend:
                 raise InvalidStep(f"{name} must have shape {[batch, num_tokens]}, got {list(tensor.shape)}")
 
     @staticmethod
-    def follow_rows(session: Session, version: int, reorder: tuple[int, ...] | None, start_position: int) -> None:
-        """Bring the session's rows to `version`: apply `reorder` (row i continues row reorder[i]) when it is the next
-        one, or take the version as it stands when a replay rebuilds the rows from position 0 (already reordered)."""
+    def rows_towards(session: Session, version: int, reorder: tuple[int, ...] | None) -> torch.Tensor | None:
+        """The rows (row i continues row reorder[i]) that take the session's rows to `version`, None where they are
+        at it already; InvalidStep unless `reorder` is the next one and names one row of the session per row."""
         have = session.rows_version
         if version == have:
+            return None
+        if reorder is None or version != have + 1:
+            raise InvalidStep(f"rows reordered {version} times asked for; here they were {have}")
+        if len(reorder) != session.batch_size or not all(0 <= row < session.batch_size for row in reorder):
+            raise InvalidStep(f"a reorder names rows outside the session's {session.batch_size}, one per row")
+        return torch.tensor(reorder)
+
+    def follow_rows(self, session: Session, version: int, reorder: tuple[int, ...] | None, start_position: int) -> None:
+        """Bring the session's rows to `version`: apply `reorder` when it is the next one, or take the version as it
+        stands when a replay rebuilds the rows from position 0 (its history is reordered already)."""
+        if reorder is None and session.rows_version == 0 and start_position == 0:
+            session.rows_version = version
             return
-        if reorder is not None and version == have + 1:
-            if len(reorder) != session.batch_size or not all(0 <= row < session.batch_size for row in reorder):
-                raise InvalidStep(f"a reorder names rows outside the session's {session.batch_size}, one per row")
-            if session.trees:
-                raise InvalidStep("a reorder came while tree steps wait for their accepted nodes")
-            rows = torch.tensor(reorder)
-            for cache in session.caches:
-                cache.reorder(rows)
-            session.token_mask.copy_(session.token_mask[rows])
-            session.output_history.copy_(session.output_history[rows])
-        elif reorder is not None or have != 0 or start_position != 0:
-            raise InvalidStep(f"the step expects the session's rows reordered {version} times; here they were {have}")
+        rows = self.rows_towards(session, version, reorder)
+        if rows is None:
+            return
+        if session.trees:
+            raise InvalidStep("a reorder came while tree steps wait for their accepted nodes")
+        for cache in session.caches:
+            cache.reorder(rows)
+        session.token_mask.copy_(session.token_mask[rows])
+        session.output_history.copy_(session.output_history[rows])
         session.rows_version = version
 
     def check_chunk(self, hidden: torch.Tensor) -> None:

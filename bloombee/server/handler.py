@@ -123,7 +123,7 @@ class BlockServicer:
                 await asyncio.wait_for(session.inbox.put(request), self.settings.push_timeout)
             except asyncio.TimeoutError:
                 yield self.metrics.refusal(ErrorKind.REFUSED, f"session {header.session_id} took no push for "
-                                     f"{self.settings.push_timeout:g} s", header.step_id)
+                                           f"{self.settings.push_timeout:g} s", header.step_id)
                 continue
             yield pack(AckMessage(step_id=header.step_id, batch_offset=header.batch_offset))
 
@@ -257,8 +257,8 @@ class BlockServicer:
             await channel.send(envelope_of(StepMessage(step=next_header), encoded.frames),
                                header.step_id, header.batch_offset)
         except Exception as error:
-            return self.metrics.refusal(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}", header.step_id,
-                                hop.peer_id)
+            return self.metrics.refusal(ErrorKind.PEER_FAILED, f"could not push to {hop.peer_id}: {error}",
+                                        header.step_id, hop.peer_id)
         return None
 
     async def open_push(self, session: Session, hop: Hop, notify: Callable[[Message], None]) -> None:

@@ -210,11 +210,9 @@ class SessionPipeline:
             raise InvalidStep(f"history positions must be [start, end) within [0, {session.max_length}], got "
                               f"[{start}, {end})")
         history = session.output_history[:, start:end]
-        if message.reorder is not None and message.rows_version == session.rows_version + 1:
-            history = history[torch.tensor(message.reorder)]  # the step that reorders has not reached this server
-        elif message.rows_version != session.rows_version:
-            raise InvalidStep(f"history of rows reordered {message.rows_version} times asked; here they were "
-                              f"{session.rows_version}")
+        rows = self.context.backend.rows_towards(session, message.rows_version, message.reorder)
+        if rows is not None:  # the step that reorders has not reached this server yet
+            history = history[rows]
         reply = HistoryMessage(start_position=start, end_position=end, step_id=message.step_id,
                                rows_version=message.rows_version)
         return pack(reply, {"hidden": history}, self.context.reply_policy(session, None, 0))
