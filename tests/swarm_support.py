@@ -1,7 +1,9 @@
 """Helpers for tests that run a real local swarm (bootstrap peer + server processes on 127.0.0.1)."""
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,6 +38,19 @@ def start_swarm(folder: Path | str, log_dir: Path, cache_dir: Path, num_blocks: 
                        env={"BLOOMBEE_CACHE": str(cache_dir)})
     swarm.start_bootstrap()
     return swarm
+
+
+@contextlib.contextmanager
+def serving(folder: Path | str, tmp_path_factory, servers: dict[str, str], *args: str) -> Iterator[LocalSwarm]:
+    """A swarm with a server per name -> blocks of `servers`, each started with `args`; stopped on exit."""
+    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
+    try:
+        for name, blocks in servers.items():
+            swarm.add_server("--blocks", blocks, *args, name=name, wait=False)
+        swarm.wait_online(list(servers))
+        yield swarm
+    finally:
+        swarm.stop()
 
 
 class KillServerAt(StoppingCriteria):

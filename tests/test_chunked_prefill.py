@@ -8,7 +8,7 @@ from transformers import StoppingCriteriaList
 
 from bloombee.client.loop import run_sync
 from bloombee.client.spans import RequestRejected
-from swarm_support import KillServerAt, client, reference, save_tiny_llama, start_swarm
+from swarm_support import KillServerAt, client, reference, save_tiny_llama, serving
 
 MAX_CHUNK_TOKENS = 16
 ROWS, PROMPT_TOKENS, NEW_TOKENS = 3, 41, 8  # 41 = 8 chunks of 16 // 3 = 5 positions, and one
@@ -18,15 +18,9 @@ PROMPTS = torch.randint(3, 120, (ROWS, PROMPT_TOKENS), generator=torch.Generator
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "chunk-llama")
-    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
-    try:
-        for name, blocks in {"a": "0:4", "b": "4:8", "c": "4:8"}.items():
-            swarm.add_server("--blocks", blocks, "--dtype", "float32", "--max-chunk-tokens", str(MAX_CHUNK_TOKENS),
-                             name=name, wait=False)
-        swarm.wait_online(["a", "b", "c"])
+    with serving(folder, tmp_path_factory, {"a": "0:4", "b": "4:8", "c": "4:8"}, "--dtype", "float32",
+                 "--max-chunk-tokens", str(MAX_CHUNK_TOKENS)) as swarm:
         yield swarm
-    finally:
-        swarm.stop()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import torch
 
 from bloombee.client import MissingBlocksError, RequestRejected
 from bloombee.client.loop import run_sync
-from swarm_support import client, reference, save_tiny_llama, start_swarm
+from swarm_support import client, reference, save_tiny_llama, serving
 
 SERVER_LIMITS = ["--dtype", "float32", "--max-length", "96", "--max-batch-size", "4"]
 
@@ -13,14 +13,8 @@ SERVER_LIMITS = ["--dtype", "float32", "--max-length", "96", "--max-batch-size",
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "swarm-llama")
-    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
-    try:
-        for name, blocks in (("a", "0:3"), ("b", "3:6"), ("c", "6:8")):
-            swarm.add_server("--blocks", blocks, *SERVER_LIMITS, name=name, wait=False)
-        swarm.wait_online(["a", "b", "c"])
+    with serving(folder, tmp_path_factory, {"a": "0:3", "b": "3:6", "c": "6:8"}, *SERVER_LIMITS) as swarm:
         yield swarm
-    finally:
-        swarm.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaLi
 from bloombee.client import AutoDistributedModel
 from bloombee.client.spans import RequestRejected
 from bloombee.loading import resolve_model
-from swarm_support import KillServerAt, start_swarm
+from swarm_support import KillServerAt, serving
 
 MODEL = "bloombee-tiny"
 PROMPTS = ["def fibonacci(n):", "import os\nimport"]
@@ -18,14 +18,8 @@ BEAMS, NEW_TOKENS = 4, 12
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    swarm = start_swarm(MODEL, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
-    try:
-        for name, blocks in {"a": "0:4", "b": "4:8", "c": "4:8"}.items():
-            swarm.add_server("--blocks", blocks, "--dtype", "float32", name=name, wait=False)
-        swarm.wait_online(["a", "b", "c"])
+    with serving(MODEL, tmp_path_factory, {"a": "0:4", "b": "4:8", "c": "4:8"}, "--dtype", "float32") as swarm:
         yield swarm
-    finally:
-        swarm.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from bloombee.dht.records import ServerState, fetch_records
-from swarm_support import KillServerAt, client, reference, save_tiny_llama, start_swarm
+from swarm_support import KillServerAt, client, reference, save_tiny_llama, serving
 
 PROMPT = torch.tensor([[11, 22, 33, 44, 55]])
 NEW_TOKENS = 24
@@ -17,14 +17,9 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     folder = save_tiny_llama(tmp_path_factory.mktemp("model") / "failover-llama")
-    swarm = start_swarm(folder, tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache"))
-    try:
-        for name, blocks in (("a1", "0:4"), ("a2", "0:4"), ("b1", "4:8"), ("b2", "4:8")):
-            swarm.add_server("--blocks", blocks, "--dtype", "float32", name=name, wait=False)
-        swarm.wait_online(["a1", "a2", "b1", "b2"])
+    with serving(folder, tmp_path_factory, {"a1": "0:4", "a2": "0:4", "b1": "4:8", "b2": "4:8"},
+                 "--dtype", "float32") as swarm:
         yield swarm
-    finally:
-        swarm.stop()
 
 
 @pytest.fixture(scope="module")

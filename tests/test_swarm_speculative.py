@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bloombee.client import AutoDistributedModel, RequestRejected
-from bloombee.loading import dht_prefix, resolve_model
-from bloombee.local_swarm import LocalSwarm
+from bloombee.loading import resolve_model
 from bloombee.speculative.draft import DraftModel
 from bloombee.speculative.tree import PackedTrees, TokenTree
+from swarm_support import serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,16 +32,8 @@ LONG_PROMPTS = ["Once upon a time", "The quick brown fox"]
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    swarm = LocalSwarm(MODEL, 8, dht_prefix(MODEL), log_dir=str(tmp_path_factory.mktemp("logs")),
-                       env={"BLOOMBEE_CACHE": str(tmp_path_factory.mktemp("cache"))})
-    swarm.start_bootstrap()
-    try:
-        for name, blocks in SERVERS.items():
-            swarm.add_server("--blocks", blocks, "--dtype", "float32", "--max-length", "512", name=name, wait=False)
-        swarm.wait_online(list(SERVERS))
+    with serving(MODEL, tmp_path_factory, SERVERS, "--dtype", "float32", "--max-length", "512") as swarm:
         yield swarm
-    finally:
-        swarm.stop()
 
 
 @pytest.fixture(scope="module")
