@@ -20,6 +20,17 @@ class ServerSettings(BaseModel):
     max_chunk_tokens: int = Field(2048, ge=1, description="most tokens (rows x positions) one step of consecutive "
                                   "tokens may carry: clients send longer prompts as chunks of this size, and other "
                                   "sessions' steps take turns with them")
+    max_batch_rows: int = Field(256, ge=1, description="most rows (sequences, tree rows) of all sessions' steps one "
+                                "forward computes together (1: each step alone, no batching across sessions)")
+    max_batch_tokens: int = Field(4096, ge=1, description="most tokens (rows x positions) of all sessions' steps one "
+                                  "forward computes together; a larger step still runs, alone")
+    batch_wait_ms: float = Field(0.0, ge=0, description="milliseconds a step waits for other sessions' steps to join "
+                                 "its forward when the device is free (0: it starts at once; steps that arrive while "
+                                 "a forward runs join the next one anyway)")
+    batch_invariant: Literal["on", "off"] = Field("on", description="pad matmuls of few rows to the row count from "
+                                                  "which this device rounds every count alike (measured at start), so "
+                                                  "that a session's tokens do not depend on the sessions that share "
+                                                  "its forwards")
     cache_tokens: int = Field(16384, ge=1, description="batch x length tokens of sessions the server expects at once: "
                               "--offload auto keeps this much KV cache in device memory if it can")
     device_memory: str = Field("auto", description="device memory for weights, KV cache and workspace, e.g. 20GiB, "
@@ -118,6 +129,10 @@ class ClientSettings(BaseModel):
                               "w_d children per node when sampling")
     prune_tau: float = Field(0.3, ge=0.0, description="the first server drops draft-tree candidates whose keep score "
                              "is below this, with their descendants (0 = no pruning; greedy decoding only)")
+    batch_invariant: Literal["on", "off"] = Field("on", description="compute the LM head in the matmul sizes from "
+                                                  "which this device rounds a row alike whatever rows share them, so "
+                                                  "that a speculative tree's logits equal one token's (the servers "
+                                                  "do the same for their blocks)")
     verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "
                                       "probability per step, and always at a server's first step in a session, "
                                       "recompute each span's output on another server holding its blocks and ban "

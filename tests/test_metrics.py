@@ -13,7 +13,7 @@ from bloombee.client import AutoDistributedModel
 from swarm_support import poll
 
 SERVER_MAX_LENGTH = 256
-NEW_TOKENS, ROWS = 6, 2
+NEW_TOKENS, ROWS, PROMPT = 6, 2, 12
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -40,7 +40,7 @@ def swarm(tmp_path_factory, metrics_port):
 def test_a_server_counts_its_sessions_forwards_bytes_and_refusals(swarm, metrics_port):
     before = scrape(metrics_port)
     assert before[("bloombee_server_sessions_open", ())] == 0
-    prompt = torch.randint(5, 4000, (ROWS, 12), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(5, 4000, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0))
     with AutoDistributedModel.from_pretrained(MODEL, initial_peers=swarm.initial_peers) as model:
         with model.inference_session(max_length=64, batch_size=ROWS):
             model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -55,7 +55,8 @@ def test_a_server_counts_its_sessions_forwards_bytes_and_refusals(swarm, metrics
     assert after[("bloombee_server_cache_bytes", (("memory", "device"),))] == 0
     steps = after[("bloombee_server_rows_per_forward_count", ())]
     assert steps == NEW_TOKENS  # the prompt, then one step per new token but the last
-    assert after[("bloombee_server_rows_per_forward_sum", ())] == ROWS * steps
+    assert after[("bloombee_server_rows_per_forward_sum", ())] == ROWS * (PROMPT + NEW_TOKENS - 1)  # rows x positions
+    assert after[("bloombee_server_steps_per_forward_sum", ())] == steps  # one session: one step per forward
     assert after[("bloombee_server_step_seconds_count", ())] == steps
     assert after[("bloombee_server_step_seconds_sum", ())] > 0
     hidden_bytes = ROWS * 256 * 2  # a decode step's hidden states in bfloat16

@@ -36,6 +36,7 @@ from bloombee.protocol import (
 from bloombee.server.backend import error_reply
 from bloombee.server.pipeline import PipelineContext, SessionPipeline
 from bloombee.server.memory import MemoryBudget
+from bloombee.server.batching import BatchLimits, StepBatcher
 from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session, SessionRegistry
 from bloombee.speculative.tree import PackedTrees, TokenTree
@@ -106,9 +107,11 @@ def test_malformed_trees_and_compactions_are_invalid_steps():
 # -- features ---------------------------------------------------------------------------------------------------------
 
 
-def test_features_travel_as_strings_and_tree_pruning_only_with_a_pruner():
-    assert Feature.TREE_PRUNING in PROTOCOL_FEATURES and Feature.TREE_PRUNING not in announced_features(pruner=False)
-    announced = record(0, 2, features=announced_features(pruner=True))
+def test_features_travel_as_strings_and_pruning_and_invariance_only_where_held():
+    assert Feature.TREE_PRUNING in PROTOCOL_FEATURES
+    assert Feature.TREE_PRUNING not in announced_features(pruner=False, batch_invariant=True)
+    assert Feature.BATCH_INVARIANT not in announced_features(pruner=True, batch_invariant=False)
+    announced = record(0, 2, features=announced_features(pruner=True, batch_invariant=True))
     assert json.loads(announced.model_dump_json())["features"] == [feature.value for feature in Feature]
     assert Feature.TREE_STEPS in ServerRecord.model_validate_json(announced.model_dump_json()).features
 
@@ -136,11 +139,18 @@ class FailingBackend:
     def check_chunk(self, *args) -> None:
         pass
 
-    def step(self, *args):
+    def prepare_step(self, *args):
+        return "a prepared step"
+
+    def run(self, steps):
         raise self.error
 
 
 async def in_this_thread(fn, *args):
+    return fn(*args)
+
+
+async def codec_in_this_thread(num_bytes, fn, *args):
     return fn(*args)
 
 
@@ -149,7 +159,9 @@ async def in_this_thread(fn, *args):
 def test_a_step_whose_compute_raises_is_answered_by_who_is_at_fault(error, kind):
     session = Session("s", 0, 1, 1, 8, [], torch.zeros(1, 8, dtype=torch.bool), torch.zeros(1, 8, 4))
     metrics = ServerMetrics(SessionRegistry(MemoryBudget(1 << 20, 1 << 20)))
-    context = PipelineContext(FailingBackend(error), None, "peer", 5.0, 1 << 20, in_this_thread, in_this_thread,
+    backend = FailingBackend(error)
+    batcher = StepBatcher(backend, in_this_thread, BatchLimits(max_rows=8, max_tokens=64, wait_s=0.0))
+    context = PipelineContext(backend, batcher, "peer", 5.0, 1 << 20, in_this_thread, codec_in_this_thread,
                               None, None, None, None, metrics)
 
     async def replies():

@@ -9,16 +9,16 @@ from bloombee.server.throughput import SERVED_BEFORE_TRUSTED, ThroughputMeter
 def test_served_batch_one_decode_steps_replace_the_start_up_figure_and_are_kept(tmp_path):
     cache = tmp_path / "throughput.json"
     meter = ThroughputMeter(20.0, "key", cache)
-    meter.observe(rows=4, tokens=1, blocks=4, seconds=0.01)  # a batch of 4: not what the figure means
-    meter.observe(rows=1, tokens=16, blocks=4, seconds=0.01)  # a prompt step
+    meter.observe(vectors=4, blocks=4, seconds=0.01)  # a batch of 4: not what the figure means
+    meter.observe(vectors=16, blocks=4, seconds=0.01)  # a prompt step
     for _ in range(SERVED_BEFORE_TRUSTED - 1):
-        meter.observe(rows=1, tokens=1, blocks=4, seconds=0.05)  # 80 block-steps/s
+        meter.observe(vectors=1, blocks=4, seconds=0.05)  # 80 block-steps/s
     assert meter.value == 20.0
     meter.save()
     assert not cache.exists()
-    meter.observe(rows=1, tokens=1, blocks=4, seconds=0.05)
+    meter.observe(vectors=1, blocks=4, seconds=0.05)
     assert meter.value == 80.0
     meter.save()
     assert json.loads(cache.read_text()) == {"key": 80.0}
-    meter.observe(rows=1, tokens=1, blocks=4, seconds=0.1)  # slower steps pull the figure down gradually
+    meter.observe(vectors=1, blocks=4, seconds=0.1)  # slower steps pull the figure down gradually
     assert 40.0 < meter.value < 80.0

@@ -17,6 +17,8 @@ class Feature(StrEnum):
     TREE_STEPS = "tree_steps"  # tree steps of speculative decoding (bloombee.protocol.steps.TreeStep)
     TREE_PRUNING = "tree_pruning"  # the server holds a pruner for its last block and prunes tree steps (prune_tau)
     REORDER_ROWS = "reorder_rows"  # a step may reorder the session's rows first (beam search: rows_version, reorder)
+    BATCH_INVARIANT = "batch_invariant"  # a row's outputs do not depend on the rows computed with it (its linear
+    # layers pad small matmuls to the row count from which this device rounds every count alike)
 
 
 PROTOCOL_FEATURES = tuple(Feature)  # every feature this version speaks
@@ -24,6 +26,8 @@ PROTOCOL_FEATURES = tuple(Feature)  # every feature this version speaks
 REQUIRED_FEATURES = (Feature.PUSH, Feature.EXPLICIT_POSITIONS, Feature.TOKEN_MASK, Feature.HISTORY)
 
 
-def announced_features(pruner: bool) -> tuple[Feature, ...]:
-    """What a server of this version announces: every feature, tree pruning only if it holds a `pruner`."""
-    return tuple(feature for feature in Feature if pruner or feature != Feature.TREE_PRUNING)
+def announced_features(pruner: bool, batch_invariant: bool) -> tuple[Feature, ...]:
+    """What a server of this version announces: every feature, tree pruning only if it holds a `pruner`, batch
+    invariance only where its blocks compute batch-invariant."""
+    held = {Feature.TREE_PRUNING: pruner, Feature.BATCH_INVARIANT: batch_invariant}
+    return tuple(feature for feature in Feature if held.get(feature, True))

@@ -1,6 +1,9 @@
 """Compute for the hosted blocks: session steps with KV caches and stateless forwards, on one device."""
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -8,6 +11,7 @@ from pydantic import ValidationError
 from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.models.core.offload import host_kv_heads
+from bloombee.models.core.packing import Segment, segment_slices
 from bloombee.models.core.quantize import module_weight_bytes
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.protocol import ErrorKind, InvalidStep
@@ -21,6 +25,18 @@ logger = logging.getLogger(__name__)
 
 
 BAD_INPUT = (InvalidStep, CodecError, ValidationError)  # the caller's fault, as validated: an INVALID error
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A session's step ready for a forward that may hold other sessions' steps too: its vectors packed as one
+    segment, and what makes the step's result from its output [rows, tokens, hidden]."""
+
+    block_range: tuple[int, int]
+    hidden: torch.Tensor  # [rows x tokens, hidden] on the device, in the blocks' dtype
+    rope_positions: torch.Tensor  # [rows x tokens]
+    segment: Segment
+    finish: Callable[[torch.Tensor], Any]
 
 
 def error_reply(error: Exception) -> tuple[ErrorKind, str]:
@@ -43,6 +59,7 @@ class BlockBackend:
         self.pruner = pruner  # the proxy head and keep classifier for the hidden states after block `end`
         self.weight_bytes = module_weight_bytes(stack)  # the hosted blocks' weights on the device, scales included
         self.max_chunk_tokens: int | None = None  # most tokens (rows x positions) of one step of consecutive tokens
+        self.batch_invariant = False  # whether the blocks' linear layers were made batch-invariant (models.core.invariance)
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -138,17 +155,14 @@ class BlockBackend:
             raise InvalidStep(f"a step of {batch} rows x {num_tokens} tokens is over this server's --max-chunk-tokens "
                               f"{self.max_chunk_tokens}; send it as chunks of at most that many tokens")
 
-    @torch.inference_mode()
-    def step(
-        self,
-        session: Session,
-        hidden: torch.Tensor,
-        start_position: int,
-        batch_offset: int,
-        token_mask: torch.Tensor | None,
-        rope_positions: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+             token_mask: torch.Tensor | None, rope_positions: torch.Tensor | None) -> torch.Tensor:
         """Write tokens at slots [start_position, start_position + T) of rows [batch_offset, +b); return outputs."""
+        return self.run_one(self.prepare_step(session, hidden, start_position, batch_offset, token_mask, rope_positions))
+
+    def prepare_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+                     token_mask: torch.Tensor | None, rope_positions: torch.Tensor | None) -> PreparedStep:
+        """A step of consecutive tokens, checked and its tokens marked in the session, ready for `run`."""
         self.check_step(session, hidden, start_position, batch_offset, token_mask, rope_positions)
         batch, num_tokens = hidden.shape[0], hidden.shape[1]
         self.check_no_tree_pending(session, batch_offset, batch, None)
@@ -160,10 +174,43 @@ class BlockBackend:
             rope_positions = rope_positions_from_padding(key_padding)[:, start_position:end_position]
         cache_positions = torch.arange(start_position, end_position, device=self.device)
         mask = causal_mask(cache_positions, end_position, key_padding)
-        out = self.stack(hidden.to(self.device, self.dtype), rope_positions.to(self.device, torch.long), session.caches,
-                         cache_positions, mask, batch_offset, block_range=(session.start_block, session.end_block))
-        session.output_history[rows, start_position:end_position] = out.to(session.output_history.device)
-        return out
+
+        def finish(out: torch.Tensor) -> torch.Tensor:
+            session.output_history[rows, start_position:end_position] = out.to(session.output_history.device)
+            return out
+
+        return self._prepared(session, hidden, rope_positions, cache_positions, mask, batch_offset, finish)
+
+    def _prepared(self, session: Session, hidden: torch.Tensor, rope_positions: torch.Tensor,
+                  cache_positions: torch.Tensor, mask: torch.Tensor, batch_offset: int, finish) -> PreparedStep:
+        rows, tokens = hidden.shape[:2]
+        segment = Segment(rows, tokens, cache_positions, mask, session.caches, batch_offset)
+        return PreparedStep((session.start_block, session.end_block),
+                            hidden.to(self.device, self.dtype).reshape(rows * tokens, self.hidden_size),
+                            rope_positions.to(self.device, torch.long).reshape(-1), segment, finish)
+
+    @torch.inference_mode()
+    def run(self, steps: list[PreparedStep]) -> list:
+        """One forward of prepared steps of the same blocks (of one or several sessions); each step's result, or the
+        exception its finishing raised."""
+        segments = [step.segment for step in steps]
+        out = self.stack.forward_packed(torch.cat([step.hidden for step in steps]),
+                                        torch.cat([step.rope_positions for step in steps]), segments,
+                                        block_range=steps[0].block_range)
+        results = []
+        for step, part in zip(steps, segment_slices(segments)):
+            try:
+                results.append(step.finish(out[part].view(step.segment.rows, step.segment.tokens, self.hidden_size)))
+            except Exception as error:  # this step's own failure, reported to its session alone
+                results.append(error)
+        return results
+
+    def run_one(self, step: PreparedStep):
+        """`run` of one step: its result (its error raised)."""
+        result = self.run([step])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def check_tree_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
                         trees: PackedTrees) -> int:
@@ -190,12 +237,16 @@ class BlockBackend:
                 raise InvalidStep(f"row {row} holds a tree at slot {session.trees[row][0]} whose accepted nodes were "
                                   f"not sent (compact_start, compact_ids, compact_offsets)")
 
-    @torch.inference_mode()
     def tree_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
                   trees: PackedTrees, prune_tau: float | None) -> tuple[torch.Tensor, PackedTrees]:
         """Write each row's tree at slots [start_position, + its size), nodes attending the row's prefix and their
         ancestors at rope positions from their depths; the packed outputs and trees, pruned when `prune_tau` is set
         and this server holds a pruner for the session's last block."""
+        return self.run_one(self.prepare_tree_step(session, hidden, start_position, batch_offset, trees, prune_tau))
+
+    def prepare_tree_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+                          trees: PackedTrees, prune_tau: float | None) -> PreparedStep:
+        """A tree step (see `tree_step`), checked and its nodes marked in the session, ready for `run`."""
         width = self.check_tree_step(session, hidden, start_position, batch_offset, trees)
         pruning = prune_tau is not None and self.pruner is not None and session.end_block == self.end
         if pruning:
@@ -211,16 +262,16 @@ class BlockBackend:
         rope = prefix.sum(-1, keepdim=True) + dense_rows(torch.cat([depths(p) for p in parents_rows]), trees.offsets, width)
         mask = tree_mask(parents_rows, width, prefix).to(self.device)
         cache_positions = torch.arange(start_position, end, device=self.device)
-        dense = dense_rows(hidden, trees.offsets, width).to(self.device, self.dtype)
-        out = self.stack(dense, rope.to(self.device), session.caches, cache_positions, mask, batch_offset,
-                         block_range=(session.start_block, session.end_block))
-        session.output_history[rows, start_position:end] = out.to(session.output_history.device)
-        for row, (_, _, ids) in zip(range(batch_offset, rows.stop), trees.rows()):
-            session.trees[row] = (start_position, ids.clone())
-        packed = packed_rows(out, trees.counts)
-        if not pruning:
-            return packed, trees
-        return self._prune(packed, trees, prune_tau)
+        dense = dense_rows(hidden, trees.offsets, width)
+
+        def finish(out: torch.Tensor) -> tuple[torch.Tensor, PackedTrees]:
+            session.output_history[rows, start_position:end] = out.to(session.output_history.device)
+            for row, (_, _, ids) in zip(range(batch_offset, rows.stop), trees.rows()):
+                session.trees[row] = (start_position, ids.clone())
+            packed = packed_rows(out, trees.counts)
+            return self._prune(packed, trees, prune_tau) if pruning else (packed, trees)
+
+        return self._prepared(session, dense, rope, cache_positions, mask, batch_offset, finish)
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         """Raise InvalidStep unless the tree tokens a pruner scores are ids of the model's vocabulary."""

@@ -36,6 +36,7 @@ from bloombee.protocol import (
 from bloombee.protocol import envelope as envelope_of
 from bloombee.protocol.service import register_block_service
 from bloombee.server.backend import BAD_INPUT, BlockBackend, error_reply
+from bloombee.server.batching import BatchLimits, ForwardTiming, StepBatcher
 from bloombee.server.pipeline import PipelineContext, SessionPipeline
 from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.memory import SessionRefused
@@ -51,6 +52,7 @@ Envelope = runtime_pb2.ExpertRequest
 # the server closed while the client's side was open sometimes reached the client as an end of stream without the
 # error before it (about 1 in 9 runs of tests/test_rpc_fuzz.py, 1025 bad opens each)
 REFUSED_STREAM_LINGER_S = 5.0
+INLINE_CODEC_BYTES = 16384  # messages up to this size are decoded and encoded on the event loop (a few microseconds)
 
 
 class BlockServicer:
@@ -64,6 +66,8 @@ class BlockServicer:
         self.link_bandwidth = link_bandwidth
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
+        limits = BatchLimits(settings.max_batch_rows, settings.max_batch_tokens, settings.batch_wait_ms / 1e3)
+        self.batcher = StepBatcher(backend, self.run_compute, limits, self._forward_done)
         self.codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-codec")
         self.push_stats = PushStats()
         self.p2p: P2P | None = None
@@ -72,6 +76,11 @@ class BlockServicer:
         # the most tensor bytes one request may carry: a [max batch, max length] window of float64 hidden states,
         # plus its token mask and rope positions
         self.max_request_bytes = settings.max_batch_size * settings.max_length * 8 * (backend.hidden_size + 2)
+
+    def _forward_done(self, timing: ForwardTiming) -> None:
+        """A forward of sessions' steps ran: it feeds the announced throughput and the metrics."""
+        self.meter.observe(timing.vectors, timing.blocks, timing.seconds)
+        self.metrics.observe_forward(timing.vectors, timing.steps)
 
     async def start(self, p2p: P2P) -> None:
         self.p2p, self.peer_id = p2p, p2p.peer_id.to_base58()
@@ -175,7 +184,7 @@ class BlockServicer:
             self.registry.remove(session)
 
     def _pipeline_context(self) -> PipelineContext:
-        return PipelineContext(self.backend, self.meter, self.peer_id, self.settings.session_timeout,
+        return PipelineContext(self.backend, self.batcher, self.peer_id, self.settings.session_timeout,
                                self.max_request_bytes, self.run_compute, self.run_codec, self.open_push, self.push,
                                self.push_policy, self.reply_policy, self.metrics)
 
@@ -290,8 +299,11 @@ class BlockServicer:
         """Run `fn` in the compute thread (one per server: sessions take turns on the device)."""
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
-    async def run_codec(self, fn, *args):
-        """Run `fn` (a decode or an encode) in the codec thread, beside the compute."""
+    async def run_codec(self, num_bytes: int, fn, *args):
+        """Run `fn` (a decode or an encode of `num_bytes`) in the codec thread, beside the compute; a small one right
+        here, as handing it to a thread would cost more than it does."""
+        if num_bytes <= INLINE_CODEC_BYTES:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)
 
 

@@ -24,8 +24,10 @@ class ServerMetrics:
                       ["memory"], registry=self.registry)
         cache.labels("device").set_function(lambda: sessions.budget.used.device)
         cache.labels("host").set_function(lambda: sessions.budget.used.host)
-        self.rows = Histogram("bloombee_server_rows_per_forward", "rows (sequences or tree nodes) one forward computes",
-                              buckets=ROWS_BUCKETS, registry=self.registry)
+        self.rows = Histogram("bloombee_server_rows_per_forward", "hidden vectors (rows x positions of every step in "
+                              "it) one forward computes", buckets=ROWS_BUCKETS, registry=self.registry)
+        self.steps = Histogram("bloombee_server_steps_per_forward", "sessions' steps one forward computes together",
+                               buckets=ROWS_BUCKETS, registry=self.registry)
         self.step_seconds = Histogram("bloombee_server_step_seconds", "seconds one step takes through the hosted blocks",
                                       buckets=SECONDS_BUCKETS, registry=self.registry)
         self.hop_bytes = Counter("bloombee_server_hop_bytes", "bytes of steps on the wire: in (from the client or the "
@@ -39,9 +41,9 @@ class ServerMetrics:
         self.refusals.labels(kind.value).inc()
         return error_envelope(kind, text, *args)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        self.rows.observe(rows)
-        self.step_seconds.observe(seconds)
+    def observe_forward(self, vectors: int, steps: int) -> None:
+        self.rows.observe(vectors)
+        self.steps.observe(steps)
 
     def serve(self, host: str, port: int) -> None:
         """Serve /metrics on host:port from a daemon thread."""

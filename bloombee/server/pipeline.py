@@ -47,10 +47,10 @@ from bloombee.protocol import (
     parse_step,
     unpack_timed,
 )
-from bloombee.server.backend import BAD_INPUT, BlockBackend, error_reply
+from bloombee.server.backend import BAD_INPUT, BlockBackend, PreparedStep, error_reply
+from bloombee.server.batching import StepBatcher
 from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session
-from bloombee.server.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,12 @@ class PipelineContext:
     """What a session's pipeline takes from its server: the blocks, the threads, the limits and the links."""
 
     backend: BlockBackend
-    meter: ThroughputMeter  # the announced throughput, fed by the steps computed
+    batcher: StepBatcher  # forwards of the steps of all sessions ready at once
     peer_id: str
     session_timeout: float
     max_request_bytes: int
     run_compute: Callable[..., Awaitable]  # fn, *args in the compute thread
-    run_codec: Callable[..., Awaitable]  # fn, *args in the codec thread
+    run_codec: Callable[..., Awaitable]  # num_bytes, fn, *args: in the codec thread where it is worth it
     open_push: Callable[[Session, Hop, Notify], Awaitable[None]]
     push: Callable[[Session, StepHeader, EncodedTensors, Notify], Awaitable[Envelope | None]]
     push_policy: Callable[[Session, Hop, int], CompressionPolicy]
@@ -105,7 +105,7 @@ class SessionPipeline:
         self.computed: asyncio.Queue = asyncio.Queue(STAGE_DEPTH)
         self.replies: asyncio.Queue = asyncio.Queue()
         self.applied: OrderedDict[tuple[int, int], None] = OrderedDict()
-        # (time.time() it began, seconds, CPU seconds) of the last step's work in the compute thread
+        # (time.time() it began, seconds, CPU seconds) of the last step's forward in the compute thread
         self._computed = (0.0, 0.0, 0.0)
 
     def notify(self, message: Message) -> None:
@@ -170,9 +170,10 @@ class SessionPipeline:
             if header.route and self.session.push_channel is None:
                 await self.context.open_push(self.session, header.route[0], self.notify)
             began, decode_at = time.perf_counter(), time.time()
-            self.context.metrics.hop_bytes.labels("in").inc(sum(len(frame.buffer) for frame in item.tensors))
-            _, tensors, cpu_s = await self.context.run_codec(unpack_timed, item, self.context.max_request_bytes,
-                                                             STEP_TENSORS)
+            num_bytes = sum(len(frame.buffer) for frame in item.tensors)
+            self.context.metrics.hop_bytes.labels("in").inc(num_bytes)
+            _, tensors, cpu_s = await self.context.run_codec(num_bytes, unpack_timed, item,
+                                                             self.context.max_request_bytes, STEP_TENSORS)
             step, compaction = parse_step(tensors, header.compact_start is not None)
             return DecodedStep(header, step, compaction, decode_at, time.perf_counter() - began, cpu_s)
         except BAD_INPUT as error:
@@ -230,7 +231,7 @@ class SessionPipeline:
             self._remember(key)
             compute_at, compute_s, compute_cpu_s = self._computed
             if not duplicate:
-                self.context.metrics.observe_step(step.hidden.shape[0], compute_s)
+                self.context.metrics.step_seconds.observe(compute_s)
         except Exception as error:
             self._failed(header, error)
             return None
@@ -264,8 +265,12 @@ class SessionPipeline:
             self.context.backend.check_step(self.session, step.hidden, *step_args)
             out = self._earlier_output(header, step.hidden)
         else:
-            out = await self.context.run_compute(self._after_compaction, header, compaction, self._timed_step,
-                                                 step.hidden, *step_args)
+            def prepare() -> PreparedStep:
+                if compaction is not None:
+                    self._compact(header, compaction)
+                return self.context.backend.prepare_step(self.session, step.hidden, *step_args)
+
+            out = await self._batched(step.hidden.shape[0], step.hidden.shape[:2].numel(), prepare)
         return LinearStep(out, step.token_mask, step.rope_positions) if header.route else LinearStep(out)
 
     async def _tree_step(self, header: StepHeader, step: TreeStep, duplicate: bool,
@@ -277,36 +282,32 @@ class SessionPipeline:
         rows = range(header.batch_offset, header.batch_offset + trees.num_rows)
         if duplicate and any(self.session.trees.get(row, (None,))[0] != header.start_position for row in rows):
             raise InvalidStep(f"tree step {header.step_id} came again after its trees were compacted")
-        out, kept = await self.context.run_compute(self._after_compaction, header, compaction,
-                                                   self.context.backend.tree_step, self.session, step.hidden,
-                                                   header.start_position, header.batch_offset, trees, header.prune_tau)
+
+        def prepare() -> PreparedStep:
+            if compaction is not None:
+                self._compact(header, compaction)
+            return self.context.backend.prepare_tree_step(self.session, step.hidden, header.start_position,
+                                                          header.batch_offset, trees, header.prune_tau)
+
+        out, kept = await self._batched(trees.num_rows, step.hidden.shape[0], prepare)
         if kept is not trees:
             header = header.model_copy(update={"prune_tau": None})
             logger.debug("Session %s: pruned %d tree nodes to %d", self.session.session_id, trees.parents.numel(),
                          kept.parents.numel())
         return header, TreeStep(out, kept)
 
-    def _after_compaction(self, header: StepHeader, compaction: Compaction | None, fn, *args):
-        """In the compute thread: the previous tree's compaction, if the step carries one, then `fn(*args)`; so the
-        step never reads a cache that is not yet compacted. When and how long it ran is what the hop report says
-        the step computed (the hand-over to and from the compute thread is not)."""
-        began_at, began, began_cpu = time.time(), time.perf_counter(), time.thread_time()
-        if compaction is not None:
-            self._compact(header, compaction)
-        result = fn(*args)
-        self._computed = (began_at, time.perf_counter() - began, time.thread_time() - began_cpu)
+    async def _batched(self, rows: int, vectors: int, prepare):
+        """The step `prepare()` makes, computed in a forward with other sessions' steps ready at once; that forward's
+        time is what the hop report says the step computed (it preceded by the previous tree's compaction if the step
+        carries one, so the step never reads a cache that is not yet compacted)."""
+        session = self.session
+        result, timing = await self.context.batcher.compute((session.start_block, session.end_block), rows, vectors,
+                                                           prepare)
+        self._computed = (timing.began_at, timing.seconds, timing.cpu_seconds)
         return result
 
     def _compact(self, header: StepHeader, compaction: Compaction) -> None:
         self.context.backend.compact(self.session, header.compact_start, header.batch_offset, compaction.rows())
-
-    def _timed_step(self, hidden: torch.Tensor, *step_args) -> torch.Tensor:
-        """The backend's step (in the compute thread), its compute time counted towards the announced throughput."""
-        began = time.perf_counter()
-        out = self.context.backend.step(self.session, hidden, *step_args)
-        blocks = self.session.end_block - self.session.start_block
-        self.context.meter.observe(hidden.shape[0], hidden.shape[1], blocks, time.perf_counter() - began)
-        return out
 
     def _earlier_output(self, header: StepHeader, hidden: torch.Tensor) -> torch.Tensor:
         """The output this session computed when the step first came (its rows and positions of the history)."""
@@ -342,7 +343,7 @@ class SessionPipeline:
         policy = (context.push_policy(self.session, next_hop, num_bytes) if next_hop
                   else context.reply_policy(self.session, header.reply_decode_speed, num_bytes))
         encode_at = time.time()
-        encoded = await context.run_codec(encode_tensors, step.sent_on, policy)
+        encoded = await context.run_codec(num_bytes, encode_tensors, step.sent_on, policy)
         report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
                                                wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
         reports = header.reports + (report,)

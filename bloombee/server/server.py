@@ -19,6 +19,7 @@ from bloombee.loading import dht_prefix, load_block_stack, load_model_config, re
 from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
+from bloombee.models.core.invariance import make_batch_invariant
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -122,6 +123,8 @@ class Server:
                                pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
         backend.max_chunk_tokens = self.settings.max_chunk_tokens
+        backend.batch_invariant = self.settings.batch_invariant == "on" and make_batch_invariant(
+            stack, stack.dtype, self.device) is not None
         self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s with %s weights (%s), %.0f%% of the KV cache in host "
                     "memory", start, end, self.model_path, self.device, backend.dtype, self.quant_type,
@@ -189,7 +192,8 @@ class Server:
             public_name=self.public_name,
             codec_version=codec.CODEC_VERSION,
             codecs=codec.LAYOUTS,
-            features=announced_features(pruner=self.backend.pruner is not None),
+            features=announced_features(pruner=self.backend.pruner is not None,
+                                        batch_invariant=self.backend.batch_invariant),
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
             max_chunk_tokens=self.settings.max_chunk_tokens,

@@ -51,9 +51,10 @@ class ThroughputMeter:
         with self._lock:
             return self._served.value if self._served.count >= SERVED_BEFORE_TRUSTED else self.measured
 
-    def observe(self, rows: int, tokens: int, blocks: int, seconds: float) -> None:
-        """One served step's compute; only batch-1 decode steps (what the figure means) count."""
-        if rows != 1 or tokens != 1 or seconds <= 0:
+    def observe(self, vectors: int, blocks: int, seconds: float) -> None:
+        """One served forward's compute; only forwards of one vector (a lone batch-1 decode step: what the figure
+        means) count."""
+        if vectors != 1 or seconds <= 0:
             return
         with self._lock:
             self._served.update(blocks / seconds)

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bloombee.models.core.config import BlockConfig
-from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.masks import causal_mask, sliding_window_mask
-from bloombee.models.core.offload import OffloadedKVCache
+from bloombee.models.core.packing import Cache, Segment, segment_slices
 from bloombee.models.core.norms import RMSNorm
 from bloombee.models.core.rotary import apply_rotary
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[b, kv, S, d] -> [b, kv * n_rep, S, d], each KV head repeated for its group of query heads."""
-    if n_rep == 1:
-        return x
-    b, kv, s, d = x.shape
-    return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
 
 
 class _AttentionBase(nn.Module):
@@ -32,38 +25,43 @@ class _AttentionBase(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [b, T, H] -> q [b, h, T, d], k, v [b, kv, T, d] (before rotary)."""
+        """x [N, H] -> q [N, h, d], k, v [N, kv, d] (before rotary)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: KVCache | OffloadedKVCache | None, cache_positions: torch.Tensor, mask: torch.Tensor | None,
-                batch_offset: int = 0) -> torch.Tensor:
-        b, T, _ = x.shape
+                segments: Sequence[Segment], caches: Sequence[Cache | None]) -> torch.Tensor:
+        """Packed x [N, H] of `segments` (each with its cache of this block, or None) -> [N, H]."""
         q, k, v = self.project(x)
         if cos is not None:
             q, k = apply_rotary(q, k, cos, sin)
+        outputs = []
+        for segment, cache, part in zip(segments, caches, segment_slices(segments)):
+            q_s, k_s, v_s = (t[part].unflatten(0, (segment.rows, segment.tokens)).transpose(1, 2) for t in (q, k, v))
+            out = self._attend_segment(q_s, k_s, v_s, segment, cache)
+            outputs.append(out.transpose(1, 2).reshape(segment.size, self.num_heads * self.head_dim))
+        return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+
+    def _attend_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: Segment,
+                        cache: Cache | None) -> torch.Tensor:
+        """One segment's attention: q [b, h, T, d], k, v [b, kv, T, d] written to its cache, over its keys."""
+        positions, mask, T = segment.cache_positions, segment.mask, segment.tokens
         if cache is not None:
-            length = mask.shape[-1] if mask is not None else int(cache_positions.max()) + 1
-            key_slots = torch.arange(length, device=x.device)
+            length = mask.shape[-1] if mask is not None else int(positions.max()) + 1
             if mask is None:
-                mask = causal_mask(cache_positions, length)
-        else:
-            key_slots = cache_positions
-            if mask is None:
-                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]
+                mask = causal_mask(positions, length)
+        elif mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None]
         if self.sliding_window is not None:
-            mask = mask & sliding_window_mask(cache_positions, key_slots, self.sliding_window)
+            key_slots = torch.arange(mask.shape[-1], device=q.device) if cache is not None else positions
+            mask = mask & sliding_window_mask(positions, key_slots, self.sliding_window)
         if cache is not None:
-            out = cache.attend(q, k, v, cache_positions, batch_offset, mask, self.attend)
-        else:
-            out = self.attend(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))
+            return cache.attend(q, k, v, positions, segment.batch_offset, mask, self.attend)
+        return self.attend(q, k, v, mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of q [b, h, T, d] over k, v [b, kv, S, d] (each KV head serving its group of query heads)."""
-        n_rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask[:, None],
-                                              scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(_AttentionBase):
@@ -78,15 +76,14 @@ class Attention(_AttentionBase):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
 
     def project(self, x):
-        b, T, _ = x.shape
-        q = self.q_proj(x).view(b, T, -1, self.head_dim)
-        k = self.k_proj(x).view(b, T, -1, self.head_dim)
-        v = self.v_proj(x).view(b, T, -1, self.head_dim)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         q, k = self.normalize(q, k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
 
     def normalize(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q, k [b, T, heads, d] before rotary: unchanged here."""
+        """Per-head q, k [N, heads, d] before rotary: unchanged here."""
         return q, k
 
 
@@ -115,22 +112,22 @@ class FusedQKVAttention(_AttentionBase):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
 
     def project(self, x):
-        b, T, _ = x.shape
+        n = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         if self.layout == "interleaved":
-            qkv = qkv.view(b, T, h, 3, d)
+            qkv = qkv.view(n, h, 3, d)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         elif self.layout == "multi_query":
-            qkv = qkv.view(b, T, h + 2, d)
-            q, k, v = qkv[:, :, :h], qkv[:, :, h:h + 1], qkv[:, :, h + 1:]
+            qkv = qkv.view(n, h + 2, d)
+            q, k, v = qkv[:, :h], qkv[:, h:h + 1], qkv[:, h + 1:]
         elif self.layout == "grouped":
-            qkv = qkv.view(b, T, kv, h // kv + 2, d)
-            q = qkv[:, :, :, :-2].reshape(b, T, h, d)
-            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+            qkv = qkv.view(n, kv, h // kv + 2, d)
+            q = qkv[:, :, :-2].reshape(n, h, d)
+            k, v = qkv[:, :, -2], qkv[:, :, -1]
         else:
             raise ValueError(f"unknown fused qkv layout {self.layout!r}")
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
 
 
 ATTENTIONS = {"Attention": Attention, "FusedQKVAttention": FusedQKVAttention}

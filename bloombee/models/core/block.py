@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from bloombee.models.core.config import BlockConfig
-from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.packing import Cache, Segment
 
 
 class DecoderBlock(nn.Module):
@@ -30,19 +32,19 @@ class DecoderBlock(nn.Module):
         self.mlp = self.mlp_class(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: KVCache | None, cache_positions: torch.Tensor, mask: torch.Tensor | None,
-                batch_offset: int = 0) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, cache, cache_positions, mask, batch_offset)
+                segments: Sequence[Segment], caches: Sequence[Cache | None]) -> torch.Tensor:
+        """Packed x [N, H] of `segments`, each with its cache of this block (or None) -> [N, H]."""
+        h = x + self.attn(self.attn_norm(x), cos, sin, segments, caches)
         return h + self.mlp(self.mlp_norm(h))
 
 
 class ParallelDecoderBlock(DecoderBlock):
     """``features.parallel_attention``: out = x + (mlp(mlp_norm(x) or attn_norm(x)) + attn(attn_norm(x)))."""
 
-    def forward(self, x, cos, sin, cache, cache_positions, mask, batch_offset=0):
+    def forward(self, x, cos, sin, segments, caches):
         if not self.cfg.parallel_attention:  # e.g. falcon with parallel_attn=False
-            return super().forward(x, cos, sin, cache, cache_positions, mask, batch_offset)
+            return super().forward(x, cos, sin, segments, caches)
         attn_in = self.attn_norm(x)
-        attn_out = self.attn(attn_in, cos, sin, cache, cache_positions, mask, batch_offset)
+        attn_out = self.attn(attn_in, cos, sin, segments, caches)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
         return x + (self.mlp(mlp_in) + attn_out)

@@ -6,12 +6,15 @@ fresh parameters (the loader fills them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from bloombee.models.core.family import Family
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.offload import OffloadedKVCache, host_kv_heads
+from bloombee.models.core.packing import Segment, segment_slices
 from bloombee.models.core.rotary import RotaryEmbedding
 
 
@@ -71,12 +74,24 @@ class BlockStack(nn.Module):
         """Run blocks ``block_range`` (absolute indices, default all hosted) with one cache each."""
         lo, hi = self.local_range(block_range)
         self._check_inputs(hidden, rope_positions, caches, cache_positions, attention_mask, hi - lo)
+        rows, tokens, width = hidden.shape
+        segment = Segment(rows, tokens, cache_positions, attention_mask, caches, batch_offset)
+        out = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
+                                  block_range)
+        return out.view(rows, tokens, width)
+
+    def forward_packed(self, hidden: torch.Tensor, rope_positions: torch.Tensor, segments: Sequence[Segment],
+                       block_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """Run blocks ``block_range`` over the packed vectors [N, H] of ``segments`` (rotary positions [N]): one
+        forward for all of them, each segment attending its own caches (``bloombee.models.core.packing``)."""
+        lo, hi = self.local_range(block_range)
         cos = sin = None
-        if self.rotary is not None:
-            cos, sin = self.rotary(rope_positions, hidden.dtype)
+        if self.rotary is not None:  # per segment: a dynamic rope scales by the segment's own longest position
+            parts = [self.rotary(rope_positions[part], hidden.dtype) for part in segment_slices(segments)]
+            cos, sin = (torch.cat(halves) if len(parts) > 1 else halves[0] for halves in zip(*parts))
         for i, block in enumerate(self.blocks[lo:hi]):
-            cache = caches[i] if caches is not None else None
-            hidden = block(hidden, cos, sin, cache, cache_positions, attention_mask, batch_offset)
+            caches = [segment.caches[i] if segment.caches is not None else None for segment in segments]
+            hidden = block(hidden, cos, sin, segments, caches)
         return hidden
 
     def _check_inputs(self, hidden, rope_positions, caches, cache_positions, attention_mask, num_blocks):

@@ -1,0 +1,115 @@
+"""Batch-invariant linear layers: a row's result does not depend on the rows one matmul computes with it.
+
+BLAS libraries choose how to split a matmul (kernels, tiles, threads), and with it the order in which a dot
+product adds up, by its number of rows. On this project's x86 CPU (MKL and oneDNN, one or two threads) a float32
+matmul of 1 row, of 2-3 rows and of 10 rows round a row differently, while matmuls of 4, 8, 16, ... 512 rows give a
+row the same bits wherever it sits among them. So each process measures, for the linear layers it computes with, the
+smallest power-of-two row count from which every larger one up to MAX_CHUNK rounds alike (`row_floor`), and computes
+every matmul as chunks of such sizes, the last padded with zero rows (`chunk_linear_rows`): then a row comes out the
+same alone, in a micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Where no such
+size exists the mode cannot hold, and the caller says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK = 512  # rows of the largest matmul computed at once in the mode
+CHUNK_SIZES = tuple(1 << power for power in range(MAX_CHUNK.bit_length()))  # 1, 2, 4, ... MAX_CHUNK
+
+
+def _distinct_linears(module: nn.Module) -> list[nn.Linear]:
+    """One linear layer of each kind and shape in `module`."""
+    seen, layers = set(), []
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            key = (type(layer), layer.in_features, layer.out_features, layer.bias is not None)
+            if key not in seen:
+                seen.add(key)
+                layers.append(layer)
+    return layers
+
+
+def _rounds_alike(layer: nn.Linear, inputs: torch.Tensor, size: int, reference: torch.Tensor) -> bool:
+    """Whether a matmul of `size` rows gives the probe row (inputs[0]) `reference` at its first, middle and last row."""
+    probe, others = inputs[:1], inputs[1:]
+    return all(torch.equal(layer(torch.cat([others[:where], probe, others[where:size - 1]]))[where], reference)
+               for where in {0, size // 2, size - 1})
+
+
+@torch.inference_mode()
+def row_floor(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The smallest power-of-two row count from which the linear layers of `module` give a row the same result
+    wherever it sits among any power-of-two count of rows up to MAX_CHUNK (with this process's threads); None where
+    not even MAX_CHUNK does."""
+    floor = 1
+    generator = torch.Generator().manual_seed(0)
+    for layer in _distinct_linears(module):
+        inputs = torch.randn(MAX_CHUNK, layer.in_features, generator=generator).to(device, dtype)
+        reference = layer(torch.cat([inputs[1:MAX_CHUNK // 2], inputs[:1], inputs[MAX_CHUNK // 2:]]))[MAX_CHUNK // 2 - 1]
+        alike = [_rounds_alike(layer, inputs, size, reference) for size in CHUNK_SIZES]
+        index = len(CHUNK_SIZES)
+        while index > 0 and alike[index - 1]:
+            index -= 1
+        if index == len(CHUNK_SIZES):
+            return None
+        floor = max(floor, CHUNK_SIZES[index])
+    return floor
+
+
+def chunk_sizes(rows: int, floor: int) -> list[int]:
+    """The matmul sizes `rows` rows are computed in: MAX_CHUNK while more are left, then the largest power of two
+    that fits, the last at least `floor` (padded)."""
+    sizes = []
+    while rows > 0:
+        size = min(MAX_CHUNK, max(floor, 1 << (rows.bit_length() - 1)))
+        sizes.append(size)
+        rows -= size
+    return sizes
+
+
+def _chunked(forward, floor: int):
+    def chunked_forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        sizes = chunk_sizes(rows, floor)
+        if sizes == [rows]:
+            return forward(x)
+        flat = x.reshape(rows, x.shape[-1])
+        outputs, start = [], 0
+        for size in sizes:
+            chunk = flat[start:start + size]
+            taken = chunk.shape[0]
+            if taken < size:
+                chunk = torch.cat([chunk, chunk.new_zeros(size - taken, chunk.shape[1])])
+            outputs.append(forward(chunk)[:taken])
+            start += size
+        out = torch.cat(outputs)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return chunked_forward
+
+
+def chunk_linear_rows(module: nn.Module, floor: int) -> None:
+    """Make every linear layer of `module` compute its rows in the chunks `chunk_sizes` gives."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            layer.forward = _chunked(layer.forward, floor)
+
+
+def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
+    """Measure `module`'s row floor and chunk its linear layers by it; the floor, or None where the mode cannot hold
+    on this device (logged)."""
+    floor = row_floor(module, dtype, device)
+    if floor is None:
+        logger.warning("Matmuls on %s (%s) round a row differently by where it sits at every size probed: rows "
+                       "computed together may differ in their last bits from rows computed alone", device, dtype)
+        return None
+    chunk_linear_rows(module, floor)
+    logger.info("Batch-invariant linear layers on %s (%s): matmuls in power-of-two chunks of %d to %d rows", device,
+                dtype, floor, MAX_CHUNK)
+    return floor

@@ -1,0 +1,43 @@
+"""Several sessions' steps through the blocks in one forward: their hidden vectors packed one after another.
+
+Projections, norms and MLPs see one [N, hidden] matrix, so each weight is read once for all of them; attention
+runs per segment over that segment's own KV cache under its own mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.offload import OffloadedKVCache
+
+Cache = KVCache | OffloadedKVCache
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One step in a packed forward: `rows` x `tokens` vectors (row-major) written at slots `cache_positions` of rows
+    [batch_offset, + rows) of `caches` (one per block of the forward; None: no cache), attending under `mask`."""
+
+    rows: int
+    tokens: int
+    cache_positions: torch.Tensor  # [tokens]
+    mask: torch.Tensor | None  # [rows, tokens, S] bool
+    caches: Sequence[Cache] | None = None
+    batch_offset: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.tokens
+
+
+def segment_slices(segments: Sequence[Segment]) -> list[slice]:
+    """Where each segment's vectors lie in the packing."""
+    slices, offset = [], 0
+    for segment in segments:
+        slices.append(slice(offset, offset + segment.size))
+        offset += segment.size
+    return slices

@@ -1,0 +1,153 @@
+"""Steps of many sessions through the blocks together: one forward for the steps ready at once.
+
+Each session's pipeline hands its step here and waits for the result. While a forward runs in the compute thread,
+steps that arrive wait; the next forward takes the oldest waiting step and, in arrival order, every other one of
+the same blocks that keeps the forward within --max-batch-rows and --max-batch-tokens. A session has at most one
+step waiting (its pipeline computes its steps in order), so sessions take turns; the oldest step always goes next,
+so none starves, and a long prompt arrives as chunks, so a decode step waits behind one chunk at most.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bloombee.server.backend import BlockBackend, PreparedStep
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_rows: int  # rows of all steps in one forward
+    max_tokens: int  # rows x positions of all steps in one forward
+    wait_s: float  # how long a step waits for others when the device is free
+
+
+@dataclass(frozen=True)
+class ForwardTiming:
+    """The forward a step went through: when it began (time.time()), seconds, CPU seconds, its blocks, and the
+    vectors (rows x positions) and steps in it."""
+
+    began_at: float
+    seconds: float
+    cpu_seconds: float
+    blocks: int
+    vectors: int
+    steps: int
+
+
+@dataclass(eq=False)
+class _Waiting:
+    block_range: tuple[int, int]
+    rows: int
+    tokens: int
+    prepare: Callable[[], PreparedStep]  # in the compute thread, just before the forward
+    done: asyncio.Future
+
+
+class StepBatcher:
+    """Gathers sessions' steps into forwards of `backend`, run by `run_compute` (the server's compute thread)."""
+
+    def __init__(self, backend: BlockBackend, run_compute: Callable[..., Awaitable], limits: BatchLimits,
+                 on_forward: Callable[[ForwardTiming], None] = lambda timing: None):
+        self.backend, self.run_compute, self.limits, self.on_forward = backend, run_compute, limits, on_forward
+        self._waiting: list[_Waiting] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def compute(self, block_range: tuple[int, int], rows: int, tokens: int,
+                      prepare: Callable[[], PreparedStep]) -> tuple[Any, ForwardTiming]:
+        """The result of the step `prepare()` makes (called in the compute thread) and the forward it went through;
+        raises what preparing or finishing the step raised."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._serve())
+        waiting = _Waiting(block_range, rows, tokens, prepare, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        self._arrived.set()
+        try:
+            return await waiting.done
+        finally:
+            if waiting in self._waiting:  # its session ended before the step ran
+                self._waiting.remove(waiting)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _serve(self) -> None:
+        try:
+            await self._serve_forever()
+        except Exception as error:
+            logger.exception("The step batcher failed")
+            for waiting in self._waiting:
+                if not waiting.done.done():
+                    waiting.done.set_exception(error)
+            raise
+
+    async def _serve_forever(self) -> None:
+        while True:
+            await self._arrived.wait()
+            if self.limits.wait_s and not self._full():
+                await asyncio.sleep(self.limits.wait_s)
+            batch = self._take()
+            if not self._waiting:
+                self._arrived.clear()
+            if not batch:
+                continue
+            try:
+                outcomes, timing = await self.run_compute(self._forward, [waiting.prepare for waiting in batch])
+            except Exception as error:  # the forward itself failed: every step in it gets the error
+                outcomes, timing = [error] * len(batch), None
+            for waiting, outcome in zip(batch, outcomes):
+                if waiting.done.done():
+                    continue
+                if isinstance(outcome, Exception):
+                    waiting.done.set_exception(outcome)
+                else:
+                    waiting.done.set_result((outcome, timing))
+
+    def _full(self) -> bool:
+        return (sum(waiting.rows for waiting in self._waiting) >= self.limits.max_rows
+                or sum(waiting.tokens for waiting in self._waiting) >= self.limits.max_tokens)
+
+    def _take(self) -> list[_Waiting]:
+        """The oldest waiting step, then in arrival order each other of its blocks that fits the limits."""
+        live = [waiting for waiting in self._waiting if not waiting.done.done()]
+        if not live:
+            self._waiting.clear()
+            return []
+        batch, rows, tokens = [live[0]], live[0].rows, live[0].tokens
+        for waiting in live[1:]:
+            if (waiting.block_range == batch[0].block_range and rows + waiting.rows <= self.limits.max_rows
+                    and tokens + waiting.tokens <= self.limits.max_tokens):
+                batch.append(waiting)
+                rows, tokens = rows + waiting.rows, tokens + waiting.tokens
+        taken = set(map(id, batch))
+        self._waiting = [waiting for waiting in live if id(waiting) not in taken]
+        return batch
+
+    def _forward(self, prepares: list[Callable[[], PreparedStep]]) -> tuple[list, ForwardTiming]:
+        """In the compute thread: prepare each step (a step that fails to is refused alone), one forward for the
+        rest, each step's result or error, and the forward's timing."""
+        began_at, began, began_cpu = time.time(), time.perf_counter(), time.thread_time()
+        outcomes: list = []
+        prepared: list[tuple[int, PreparedStep]] = []
+        for index, prepare in enumerate(prepares):
+            try:
+                prepared.append((index, prepare()))
+                outcomes.append(None)
+            except Exception as error:
+                outcomes.append(error)
+        if prepared:
+            for (index, _), result in zip(prepared, self.backend.run([step for _, step in prepared])):
+                outcomes[index] = result
+        blocks = prepared[0][1].block_range if prepared else (0, 0)
+        timing = ForwardTiming(began_at, time.perf_counter() - began, time.thread_time() - began_cpu,
+                               blocks[1] - blocks[0], sum(step.segment.size for _, step in prepared), len(prepared))
+        if prepared:
+            self.on_forward(timing)
+        return outcomes, timing

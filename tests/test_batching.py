@@ -1,0 +1,92 @@
+"""Steps of several sessions in one forward (bloombee.server.backend.BlockBackend.run) give each session what it gets
+alone, bit for bit, once the blocks are batch-invariant (bloombee.models.core.invariance); a step that fails to
+prepare is refused alone."""
+
+import pytest
+import torch
+
+from bloombee.loading import load_block_stack, resolve_model
+from bloombee.models.core.invariance import chunk_sizes, make_batch_invariant
+from bloombee.protocol import InvalidStep
+from bloombee.server.backend import BlockBackend
+from bloombee.speculative.tree import PackedTrees, TokenTree
+
+MAX_LENGTH = 64
+
+
+def backend_of(dtype: torch.dtype) -> BlockBackend:
+    stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 8, dtype=dtype)
+    assert make_batch_invariant(stack, stack.dtype, torch.device("cpu")) is not None
+    return BlockBackend(stack, "cpu", stack.dtype)
+
+
+def random_hidden(rows: int, tokens: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(rows, tokens, 256, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def a_tree(seed: int) -> PackedTrees:
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2])
+    tokens = torch.randint(3, 4000, (6,), generator=torch.Generator().manual_seed(seed))
+    return PackedTrees.of([TokenTree(tokens, parents)])
+
+
+def session_steps(backend: BlockBackend, name: str, seed: int, dtype: torch.dtype):
+    """A session's steps, each a function that prepares it: a 2-row prompt of 7 + seed tokens, 3 decode steps, a tree."""
+    session = backend.new_session(name, 0, 8, 2, MAX_LENGTH)
+    prompt = 7 + seed
+    steps = [lambda: backend.prepare_step(session, random_hidden(2, prompt, seed, dtype), 0, 0, None, None)]
+    for i in range(3):
+        steps.append(lambda i=i: backend.prepare_step(session, random_hidden(2, 1, 100 * seed + i, dtype),
+                                                      prompt + i, 0, None, None))
+    tree = a_tree(seed)
+    steps.append(lambda: backend.prepare_tree_step(session, random_hidden(1, 6, seed + 7, dtype)[0], prompt + 3, 1,
+                                                   tree, None))
+    return steps
+
+
+def outputs(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sessions_batched_together_get_what_they_get_alone_bit_for_bit(dtype):
+    backend = backend_of(dtype)
+    alone = {seed: [outputs(backend.run_one(prepare())) for prepare in session_steps(backend, f"alone{seed}", seed, dtype)]
+             for seed in range(4)}
+    together = {seed: session_steps(backend, f"together{seed}", seed, dtype) for seed in range(4)}
+    got: dict[int, list[torch.Tensor]] = {seed: [] for seed in together}
+    # step i of session s runs in forward i + s: prompts beside decode steps beside trees, 1 to 4 sessions at once
+    for forward in range(8):
+        batch = [(seed, steps[forward - seed]) for seed, steps in together.items() if 0 <= forward - seed < len(steps)]
+        results = backend.run([prepare() for _, prepare in batch])
+        for (seed, _), result in zip(batch, results):
+            got[seed].append(outputs(result))
+    for seed in together:
+        assert all(torch.equal(a, b) for a, b in zip(alone[seed], got[seed], strict=True))
+
+
+def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows():
+    stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
+    floor = make_batch_invariant(stack, torch.float32, torch.device("cpu"))
+    assert floor is not None and chunk_sizes(10, floor) == [8, max(floor, 2)]
+    assert chunk_sizes(1100, 4) == [512, 512, 64, 8, 4]
+    layer = stack.blocks[0].mlp.down_proj
+    inputs = torch.randn(700, layer.in_features, generator=torch.Generator().manual_seed(1))
+    probe, others = inputs[:1], inputs[1:]
+    with torch.inference_mode():
+        alone = layer(probe)[0]
+        for rows in (2, 3, 10, 100, 700):
+            for where in (0, rows // 2, rows - 1):
+                assert torch.equal(layer(torch.cat([others[:where], probe, others[where:rows - 1]]))[where], alone)
+
+
+def test_a_step_that_fails_to_prepare_is_refused_alone():
+    backend = backend_of(torch.float32)
+    good = backend.new_session("good", 0, 8, 1, MAX_LENGTH)
+    bad = backend.new_session("bad", 0, 8, 1, MAX_LENGTH)
+    hidden = random_hidden(1, 4, 0, torch.float32)
+    expected = backend.step(backend.new_session("reference", 0, 8, 1, MAX_LENGTH), hidden, 0, 0, None, None)
+    with pytest.raises(InvalidStep, match="exceed the session's max_length"):
+        backend.prepare_step(bad, hidden, MAX_LENGTH - 1, 0, None, None)
+    assert torch.equal(backend.run([backend.prepare_step(good, hidden, 0, 0, None, None)])[0], expected)
+    assert not bad.token_mask.any()  # nothing of the refused step was written
