@@ -55,6 +55,7 @@ class StepBatcher:
                  on_forward: Callable[[ForwardTiming], None] = lambda timing: None):
         self.backend, self.run_compute, self.limits, self.on_forward = backend, run_compute, limits, on_forward
         self._waiting: list[_Waiting] = []
+        self.forwards = self.steps = 0  # forwards run and the steps they computed
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -149,5 +150,6 @@ class StepBatcher:
         timing = ForwardTiming(began_at, time.perf_counter() - began, time.thread_time() - began_cpu,
                                blocks[1] - blocks[0], sum(step.segment.size for _, step in prepared), len(prepared))
         if prepared:
+            self.forwards, self.steps = self.forwards + 1, self.steps + len(prepared)
             self.on_forward(timing)
         return outcomes, timing

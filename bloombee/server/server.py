@@ -214,7 +214,8 @@ class Server:
         return {**self.record().model_dump(mode="json"), "peer_id": self.dht.peer_id.to_base58(),
                 "open_sessions": len(self.registry), "total_blocks": self.total_blocks, "prefix": self.prefix,
                 "links": self.servicer.link_reports(), "push_buffer_bytes": self.settings.push_buffer_bytes,
-                "push": asdict(self.servicer.push_stats)}
+                "push": asdict(self.servicer.push_stats),
+                "forwards": {"count": self.servicer.batcher.forwards, "steps": self.servicer.batcher.steps}}
 
     def _announce(self) -> None:
         if not self.dht.is_alive():
