@@ -63,6 +63,19 @@ def test_routing_prefers_replicas_with_room_for_the_session():
     assert route(5_000) == "full"  # no room anywhere: the one that serves the blocks, where the session will wait
 
 
+def test_routing_counts_what_a_step_adds_to_a_loaded_server_that_batches():
+    manager = SequenceManager(None, "p", 8, 64, ClientSettings(hop_penalty_seconds=0.0))
+    # 100 batch-1 steps/s a block; one more row adds 1 ms a block to a forward of a server that batches
+    batching = record(0, 8).model_copy(update={"row_seconds": 0.001, "busy_vectors": 8.0})
+    one_at_a_time = record(0, 8).model_copy(update={"busy_vectors": 8.0})  # announces no per-row figure
+    assert manager.hop_cost(batching, 8) == pytest.approx(8 * (0.01 + 0.001 * 8), rel=1e-3)
+    assert manager.hop_cost(one_at_a_time, 8) == pytest.approx(8 * 0.01, rel=1e-3)
+    servers = {"loaded": batching, "idle": batching.model_copy(update={"busy_vectors": 0.0})}
+    assert best_chain(servers, 0, 8, manager.span_cost(10))[0].peer_id == "idle"
+    servers = {"loaded": batching, "slower but idle": record(0, 8, throughput=50.0)}
+    assert best_chain(servers, 0, 8, manager.span_cost(10))[0].peer_id == "loaded"  # 18 ms a block batched < 20 alone
+
+
 def test_blocks_held_only_by_banned_servers_are_explained_as_such():
     """A frozen server is banned, not gone: the error names it, says it stopped answering, and what to do."""
     manager = SequenceManager(None, "p", 8, 64, ClientSettings(ban_base_seconds=30), model_name="m")

@@ -2,6 +2,7 @@
 next start."""
 
 import json
+import time
 
 from bloombee.server.throughput import SERVED_BEFORE_TRUSTED, ThroughputMeter
 
@@ -22,3 +23,13 @@ def test_served_batch_one_decode_steps_replace_the_start_up_figure_and_are_kept(
     assert json.loads(cache.read_text()) == {"key": 80.0}
     meter.observe(vectors=1, blocks=4, seconds=0.1)  # slower steps pull the figure down gradually
     assert 40.0 < meter.value < 80.0
+
+
+def test_the_load_is_the_mean_size_of_recent_forwards(tmp_path):
+    meter = ThroughputMeter(20.0, "key", tmp_path / "throughput.json", row_seconds=0.001, load_window_s=0.5)
+    assert meter.busy_vectors == 0.0
+    for vectors in (4, 8, 12):
+        meter.observe(vectors=vectors, blocks=4, seconds=0.01)
+    assert meter.busy_vectors == 8.0
+    time.sleep(0.6)  # forwards older than the window no longer count
+    assert meter.busy_vectors == 0.0

@@ -209,7 +209,8 @@ class SequenceManager:
 
 def span_figures(record: ServerRecord, blocks: int, hidden_size: int) -> SpanFigures:
     """What the model of the chain takes from a server's record for a span of `blocks` of its blocks."""
-    return SpanFigures(blocks, record.throughput, record.link_bandwidth, activation_bytes(hidden_size, record.dtype))
+    return SpanFigures(blocks, record.throughput, record.link_bandwidth, activation_bytes(hidden_size, record.dtype),
+                       record.row_seconds, record.busy_vectors)
 
 
 def session_need(record: ServerRecord, tokens: int) -> tuple[int, int] | None:

@@ -31,6 +31,10 @@ class ServerRecord(BaseModel):
     start_block: int = Field(ge=0)
     end_block: int = Field(gt=0)
     throughput: float = Field(ge=0, description="decode steps per second through one block at batch 1")
+    row_seconds: float | None = Field(None, ge=0, description="seconds one more row adds to a decode forward through "
+                                      "one block, measured at start (the server batches sessions' steps; None: unknown)")
+    busy_vectors: float = Field(0.0, ge=0, description="mean vectors (rows x positions) of this server's recent "
+                                "forwards: the load a new step would be batched with")
     link_bandwidth: float = Field(gt=0, description="estimated link bandwidth, bytes per second")
     cache_tokens_left: int = Field(ge=0, description="batch x length tokens of a session over all hosted blocks that fit now")
     offload: float = Field(0.0, ge=0, le=1, description="fraction of each block's KV heads sessions keep in host memory")

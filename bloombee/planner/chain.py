@@ -148,11 +148,21 @@ class SpanFigures:
     block_steps_per_s: float  # decode steps per second through one block at batch 1
     link_bandwidth: float  # bytes/s
     activation_bytes: int  # bytes of one hidden vector in the server's dtype
+    row_seconds: float | None = None  # seconds one more vector adds to a forward through one block (None: unknown)
+    busy_vectors: float = 0.0  # vectors of other sessions' steps the server's forwards compute besides a step's own
 
     def seconds(self, vectors: int, hop_latency_s: float) -> float:
         """A step of `vectors` hidden vectors through this span: the hop into it and its compute."""
         transfer = vectors * self.activation_bytes / self.link_bandwidth
-        return hop_latency_s + transfer + self.blocks * vectors / max(self.block_steps_per_s, 1e-9)
+        return hop_latency_s + transfer + self.blocks * self.forward_seconds(vectors)
+
+    def forward_seconds(self, vectors: int) -> float:
+        """One block's forward holding a step of `vectors` vectors: a batch-1 step plus each further vector, those
+        of the other sessions it is batched with included; without a per-vector figure, a batch-1 step per vector."""
+        single = 1.0 / max(self.block_steps_per_s, 1e-9)
+        if self.row_seconds is None:
+            return vectors * single
+        return single + self.row_seconds * (vectors - 1 + self.busy_vectors)
 
 
 def announced_step_seconds(spans: Sequence[SpanFigures], vectors: int, hop_latency_s: float) -> float:

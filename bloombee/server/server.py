@@ -174,7 +174,7 @@ class Server:
             state=self.state,
             start_block=self.backend.start,
             end_block=self.backend.end,
-            throughput=self.meter.value,
+            throughput=self.meter.value, row_seconds=self.meter.row_seconds, busy_vectors=self.meter.busy_vectors,
             link_bandwidth=self.link_bandwidth,
             cache_tokens_left=self._tokens_left(),
             offload=self.backend.offload,

@@ -1,9 +1,11 @@
-"""How fast this server's blocks decode: measured at start (best of a few rounds, cached per model/range/device/dtype)
-and refreshed from the steps it serves."""
+"""How fast this server's blocks decode, alone and per row more in a batched forward (measured at start, best of a
+few rounds, cached per model/range/device/dtype; the batch-1 figure refreshed from the steps it serves), and how
+loaded its forwards are."""
 
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -18,6 +20,8 @@ logger = logging.getLogger(__name__)
 ROUNDS = 3  # the best round counts: a busy moment of the machine slows some rounds, not all
 SERVED_WINDOW = 16  # served steps whose mean is the running estimate
 SERVED_BEFORE_TRUSTED = 8  # served batch-1 decode steps before they replace the start-up figure
+BATCH_ROWS = 16  # rows of the decode forward that, beside a batch-1 one, gives what one more row costs
+LOAD_WINDOW_S = 10.0  # seconds of served forwards whose mean size is the announced load
 
 
 def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
@@ -37,13 +41,37 @@ def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
     return steps * (backend.end - backend.start) / best
 
 
+def measure_row_seconds(backend: BlockBackend, steps: int = 4) -> float:
+    """Seconds one more row adds to a decode forward through one block: the fastest rounds of BATCH_ROWS-row and of
+    1-row decode steps, their difference per added row and block."""
+    hidden = torch.randn(BATCH_ROWS, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0))
+    best = {}
+    for rows in (1, BATCH_ROWS):
+        session = backend.new_session("row-cost-probe", backend.start, backend.end, rows, ROUNDS * steps + 1)
+        backend.step(session, hidden[:rows].to(backend.dtype), 0, 0, None, None)  # warm-up
+        positions = iter(range(1, ROUNDS * steps + 1))
+        best[rows] = float("inf")
+        for _ in range(ROUNDS):
+            began = time.perf_counter()
+            for _, position in zip(range(steps), positions):
+                backend.step(session, hidden[:rows].to(backend.dtype), position, 0, None, None)
+            if backend.device.type == "cuda":
+                torch.cuda.synchronize(backend.device)
+            best[rows] = min(best[rows], (time.perf_counter() - began) / steps)
+    return max(best[BATCH_ROWS] - best[1], 0.0) / (BATCH_ROWS - 1) / (backend.end - backend.start)
+
+
 class ThroughputMeter:
     """The announced block-steps/s: the start-up figure until enough batch-1 decode steps were served, then a
     the mean of the last of those steps' compute (so a figure measured under load corrects itself)."""
 
-    def __init__(self, measured: float, cache_key: str, cache_path: Path = CACHE_DIR / "throughput.json"):
+    def __init__(self, measured: float, cache_key: str, cache_path: Path = CACHE_DIR / "throughput.json",
+                 row_seconds: float | None = None, load_window_s: float = LOAD_WINDOW_S):
         self.measured, self.cache_key, self.cache_path = measured, cache_key, cache_path
+        self.load_window_s = load_window_s
+        self.row_seconds = row_seconds  # what one more row adds to a forward through one block (measured at start)
         self._served = Recent(SERVED_WINDOW, statistic="mean")
+        self._forwards: deque[tuple[float, int]] = deque()  # (time.monotonic(), vectors) of recent forwards
         self._lock = threading.Lock()
 
     @property
@@ -51,13 +79,26 @@ class ThroughputMeter:
         with self._lock:
             return self._served.value if self._served.count >= SERVED_BEFORE_TRUSTED else self.measured
 
-    def observe(self, vectors: int, blocks: int, seconds: float) -> None:
-        """One served forward's compute; only forwards of one vector (a lone batch-1 decode step: what the figure
-        means) count."""
-        if vectors != 1 or seconds <= 0:
-            return
+    @property
+    def busy_vectors(self) -> float:
+        """Mean vectors of the forwards of the last `load_window_s` seconds (0 when none ran)."""
         with self._lock:
-            self._served.update(blocks / seconds)
+            self._forget_before(time.monotonic() - self.load_window_s)
+            return sum(vectors for _, vectors in self._forwards) / len(self._forwards) if self._forwards else 0.0
+
+    def observe(self, vectors: int, blocks: int, seconds: float) -> None:
+        """One served forward: its size counts towards the load; its compute towards the throughput only when it
+        held one vector (a lone batch-1 decode step: what the figure means)."""
+        with self._lock:
+            now = time.monotonic()
+            self._forwards.append((now, vectors))
+            self._forget_before(now - self.load_window_s)
+            if vectors == 1 and seconds > 0:
+                self._served.update(blocks / seconds)
+
+    def _forget_before(self, moment: float) -> None:
+        while self._forwards and self._forwards[0][0] < moment:
+            self._forwards.popleft()
 
     def save(self) -> None:
         """Keep the served figure for the next start (nothing to keep before enough steps were served)."""
@@ -69,5 +110,7 @@ class ThroughputMeter:
 def block_throughput_meter(backend: BlockBackend, key: str, cache_path: Path = CACHE_DIR / "throughput.json") -> ThroughputMeter:
     """The meter of `backend`, starting from the figure cached for `key` (measured the first time)."""
     measured = float(cached(cache_path, f"{key}|r{ROUNDS}", lambda: measure_block_throughput(backend)))
-    logger.info("Throughput %.1f block-steps/s for %s", measured, key)
-    return ThroughputMeter(measured, f"{key}|r{ROUNDS}", cache_path)
+    row_seconds = float(cached(cache_path, f"{key}|rows{BATCH_ROWS}", lambda: measure_row_seconds(backend)))
+    logger.info("Throughput %.1f block-steps/s for %s; one more row in a forward adds %.3f ms a block", measured, key,
+                1e3 * row_seconds)
+    return ThroughputMeter(measured, f"{key}|r{ROUNDS}", cache_path, row_seconds)
