@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from bloombee.loading import load_block_stack, resolve_model
-from bloombee.models.core.invariance import chunk_sizes, make_batch_invariant
+from bloombee.models.core.invariance import (chunk_linear_rows, chunk_sizes, make_batch_invariant,
+                                              unchunk_linear_rows)
 from bloombee.protocol import InvalidStep
 from bloombee.server.backend import BlockBackend
 from bloombee.speculative.tree import PackedTrees, TokenTree
@@ -78,6 +79,15 @@ def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows
         for rows in (2, 3, 10, 100, 700):
             for where in (0, rows // 2, rows - 1):
                 assert torch.equal(layer(torch.cat([others[:where], probe, others[where:rows - 1]]))[where], alone)
+
+
+def test_chunking_is_undone_for_a_server_that_finds_it_too_slow():
+    stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
+    layer = stack.blocks[0].mlp.down_proj
+    chunk_linear_rows(stack, 4)
+    assert "forward" in vars(layer)
+    unchunk_linear_rows(stack)
+    assert "forward" not in vars(layer) and type(layer).forward is torch.nn.Linear.forward
 
 
 def test_a_step_that_fails_to_prepare_is_refused_alone():

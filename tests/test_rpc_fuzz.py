@@ -32,8 +32,9 @@ PER_KIND = 1000  # malformed requests of each RPC kind
 VALID_EVERY = 25  # one valid open among this many malformed ones
 WINDOW = 50  # malformed requests in flight (with one or two valid ones) before their replies are read
 MAX_LENGTH, MAX_BATCH, HIDDEN = 32, 2, 64
+# batch-invariant: the client's rounds, batched with the fuzzer's valid steps, must give their outputs bit for bit
 SERVER_ARGS = ["--blocks", f"0:{NUM_BLOCKS}", "--dtype", "float32", "--max-length", str(MAX_LENGTH),
-               "--max-batch-size", str(MAX_BATCH)]
+               "--max-batch-size", str(MAX_BATCH), "--batch-invariant", "on"]
 BAD_PEERS = ("not a peer id!", "", "Qm", "1")  # not base58, or no multihash
 TIMEOUT = 30.0  # seconds any one reply may take
 SESSION_LENGTH = 16  # of the fuzzed sessions (batch MAX_BATCH)

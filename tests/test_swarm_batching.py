@@ -25,7 +25,7 @@ CLIENT_SCRIPT = Path(__file__).with_name("batching_client.py")
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    with serving(MODEL, tmp_path_factory, {"first": "0:8", "second": "0:8"}) as swarm:
+    with serving(MODEL, tmp_path_factory, {"first": "0:8", "second": "0:8"}, "--batch-invariant", "on") as swarm:
         yield swarm
 
 

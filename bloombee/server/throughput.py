@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from bloombee.models.core.invariance import chunk_linear_rows, unchunk_linear_rows
 from bloombee.planner.learning import Recent
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
@@ -22,6 +23,7 @@ SERVED_WINDOW = 16  # served steps whose mean is the running estimate
 SERVED_BEFORE_TRUSTED = 8  # served batch-1 decode steps before they replace the start-up figure
 BATCH_ROWS = 16  # rows of the decode forward that, beside a batch-1 one, gives what one more row costs
 LOAD_WINDOW_S = 10.0  # seconds of served forwards whose mean size is the announced load
+INVARIANCE_COST = 0.10  # --batch-invariant auto: the most the mode may slow a batch-1 decode step
 
 
 def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
@@ -59,6 +61,22 @@ def measure_row_seconds(backend: BlockBackend, steps: int = 4) -> float:
                 torch.cuda.synchronize(backend.device)
             best[rows] = min(best[rows], (time.perf_counter() - began) / steps)
     return max(best[BATCH_ROWS] - best[1], 0.0) / (BATCH_ROWS - 1) / (backend.end - backend.start)
+
+
+def invariance_slowdown(backend: BlockBackend, floor: int, key: str,
+                        cache_path: Path = CACHE_DIR / "throughput.json") -> float:
+    """How much computing the blocks' matmuls in chunks of at least `floor` rows slows a batch-1 decode step here
+    (measured once per `key`)."""
+
+    def measure() -> float:
+        plain = measure_block_throughput(backend)
+        chunk_linear_rows(backend.stack, floor)
+        try:
+            return plain / measure_block_throughput(backend)
+        finally:
+            unchunk_linear_rows(backend.stack)
+
+    return float(cached(cache_path, f"{key}|invariance{floor}", measure))
 
 
 class ThroughputMeter:

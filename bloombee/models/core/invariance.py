@@ -101,6 +101,13 @@ def chunk_linear_rows(module: nn.Module, floor: int) -> None:
             layer.forward = _chunked(layer.forward, floor)
 
 
+def unchunk_linear_rows(module: nn.Module) -> None:
+    """Undo `chunk_linear_rows`: each linear layer computes all its rows at once again."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and "forward" in vars(layer):
+            del layer.forward
+
+
 def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
     """Measure `module`'s row floor and chunk its linear layers by it; the floor, or None where the mode cannot hold
     on this device (logged)."""
