@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 class BatchLimits:
     max_rows: int  # rows of all steps in one forward
     max_tokens: int  # rows x positions of all steps in one forward
-    wait_s: float  # how long a step waits for others when the device is free
+    wait_s: float  # how long a forward may wait for as many steps as the last one had
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class StepBatcher:
         self.backend, self.run_compute, self.limits, self.on_forward = backend, run_compute, limits, on_forward
         self._waiting: list[_Waiting] = []
         self.forwards = self.steps = 0  # forwards run and the steps they computed
+        self._last_steps = 1  # steps of the last forward: how many a forward waits for (within wait_s)
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -91,14 +92,14 @@ class StepBatcher:
 
     async def _serve_forever(self) -> None:
         while True:
-            await self._arrived.wait()
-            if self.limits.wait_s and not self._full():
-                await asyncio.sleep(self.limits.wait_s)
-            batch = self._take()
-            if not self._waiting:
+            while not self._waiting:
                 self._arrived.clear()
+                await self._arrived.wait()
+            await self._gather()
+            batch = self._take()
             if not batch:
                 continue
+            self._last_steps = len(batch)
             try:
                 outcomes, timing = await self.run_compute(self._forward, [waiting.prepare for waiting in batch])
             except Exception as error:  # the forward itself failed: every step in it gets the error
@@ -110,6 +111,20 @@ class StepBatcher:
                     waiting.done.set_exception(outcome)
                 else:
                     waiting.done.set_result((outcome, timing))
+
+    async def _gather(self) -> None:
+        """Wait up to wait_s for as many steps as the last forward computed (sessions in step with each other),
+        unless the waiting ones fill a forward already."""
+        deadline = asyncio.get_running_loop().time() + self.limits.wait_s
+        while len(self._waiting) < self._last_steps and not self._full():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     def _full(self) -> bool:
         return (sum(waiting.rows for waiting in self._waiting) >= self.limits.max_rows
