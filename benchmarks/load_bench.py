@@ -1,7 +1,7 @@
 """Concurrent sessions on a small swarm, batching across sessions on and off, side by side.
 
-For each topology (one server holding every block, two servers of half the blocks each; one torch thread each) and
-for batching on (the default) and off (`--max-batch-rows 1`: each step computed alone), one client process runs K
+For each topology (one server holding every block, two servers of half the blocks each, ...: `--servers`; one torch
+thread each) and for batching on (the default) and off (`--max-batch-rows 1`: each step computed alone), one client process runs K
 sessions in threads, each a 16-token prompt and 32 greedy tokens step by step. Per K: the aggregate tokens/s of the
 K sessions at once, and of the same K sessions one after another (the baseline a server that computes one session's
 step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions admitted, and how many sessions
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.netbench.models import resolve
 from bloombee.client import AutoDistributedModel, RequestRejected
 from bloombee.loading import dht_prefix, load_model_config, resolve_model
 from bloombee.local_swarm import LocalSwarm
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT, NEW_TOKENS = 16, 32
-TOPOLOGIES = {"one server": ("0:{n}",), "two servers": ("0:{h}", "{h}:{n}")}
 BATCHING = {"on": (), "off": ("--max-batch-rows", "1")}
 
 
@@ -78,14 +78,16 @@ def run_k(model, vocab_size: int, k: int) -> dict:
             "refusals": sorted({out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out})}
 
 
-def run_swarm(model_name: str, topology: str, batching: str, ks: list[int], logs: str | None) -> list[dict]:
-    path = resolve_model(model_name)
+def run_swarm(model: str, servers: int, batching: str, ks: list[int], logs: str | None) -> list[dict]:
+    """The rows of `servers` servers splitting the model's blocks evenly, batching on or off."""
+    path = resolve_model(model)
     config = load_model_config(path)
     n = config.num_hidden_layers
+    topology = f"{servers} server{'s' if servers > 1 else ''}"
     with LocalSwarm(str(path), n, dht_prefix(path), log_dir=logs) as swarm:
-        for blocks in TOPOLOGIES[topology]:
-            swarm.add_server("--blocks", blocks.format(n=n, h=n // 2), *BATCHING[batching])
-        with AutoDistributedModel.from_pretrained(model_name, initial_peers=swarm.initial_peers) as model:
+        for index in range(servers):
+            swarm.add_server("--blocks", f"{index * n // servers}:{(index + 1) * n // servers}", *BATCHING[batching])
+        with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
             rows = []
             for k in ks:
@@ -96,15 +98,16 @@ def run_swarm(model_name: str, topology: str, batching: str, ks: list[int], logs
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="bloombee-tiny")
+    parser.add_argument("--model", default="bloombee-tiny", help="a model, or a netbench model name (pipeline, ...)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES), choices=list(TOPOLOGIES))
+    parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="chains compared, by server count")
     parser.add_argument("--output", default=str(RESULTS / "load.json"))
     parser.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temporary one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [row for topology in args.topologies for batching in BATCHING
-            for row in run_swarm(args.model, topology, batching, args.ks, args.logs)]
+    model = resolve(args.model)[0]
+    rows = [row for servers in args.servers for batching in BATCHING
+            for row in run_swarm(model, servers, batching, args.ks, args.logs)]
     results = {"model": args.model, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
