@@ -7,8 +7,9 @@ whose steps share the server's forwards) and speculative batched; once with the 
 (`--batch-invariant on`, the default) and once out of it. A flip is the first token where a sequence departs from
 its reference; tokens compared are those up to and including it (after it the two continue from different text).
 
-Cost: one block's decode step (a forward of 1 and of 8 one-token rows) with the mode on and off, in float32 and
-bfloat16, for bloombee-tiny and netbench's hidden-2048 pipeline model, in this process (one torch thread).
+Cost: one block's decode step (a forward of 1 and of 8 one-token rows) and tree step (one row, the default tree's
+15 nodes) with the mode on and off, in float32 and bfloat16, for bloombee-tiny and netbench's hidden-2048 pipeline
+model, in this process (one torch thread).
 
     python -m benchmarks.invariance_bench
 """
@@ -28,6 +29,7 @@ from bloombee.loading import dht_prefix, load_block_stack, resolve_model
 from bloombee.local_swarm import LocalSwarm
 from bloombee.models.core.invariance import make_batch_invariant
 from bloombee.server.backend import BlockBackend
+from bloombee.speculative.tree import PackedTrees, TokenTree
 
 RESULTS = Path(__file__).parent / "results" / "invariance"
 HELDOUT = Path(__file__).resolve().parent.parent / "bloombee" / "assets" / "eval" / "heldout_sample.txt"
@@ -106,6 +108,25 @@ def step_ms(backend: BlockBackend, rows: int, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# the default draft tree (widths 2, 2, 1, 1): 2 children of the root, 2 of each, then one child of each leaf, twice
+TREE_PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+
+
+@torch.inference_mode()
+def tree_ms(backend: BlockBackend, repeats: int = 10) -> float:
+    """Median milliseconds of a tree step of one row (the default tree's 15 nodes) after a 64-token prompt."""
+    hidden = torch.randn(64, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    trees = PackedTrees.of([TokenTree(torch.arange(TREE_PARENTS.numel()), TREE_PARENTS)])
+    times = []
+    for _ in range(repeats):
+        session = backend.new_session("cost", backend.start, backend.end, 1, 64 + TREE_PARENTS.numel())
+        backend.step(session, hidden[None], 0, 0, None, None)
+        began = time.perf_counter()
+        backend.tree_step(session, hidden[:TREE_PARENTS.numel()], 64, 0, trees, None)
+        times.append(1e3 * (time.perf_counter() - began))
+    return sorted(times)[len(times) // 2]
+
+
 def measure_cost() -> list[dict]:
     rows = []
     for name in ("bloombee-tiny", "pipeline"):
@@ -116,10 +137,11 @@ def measure_cost() -> list[dict]:
                 stack = load_block_stack(path, 0, 1, dtype=dtype)
                 floor = make_batch_invariant(stack, dtype, torch.device("cpu")) if mode == "on" else None
                 backend = BlockBackend(stack, "cpu", dtype)
-                figures[mode] = {"floor": floor, **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)}}
+                figures[mode] = {"floor": floor, **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},
+                                 "tree_ms": tree_ms(backend)}
             row = {"model": name, "dtype": str(dtype).removeprefix("torch."), **{
                 f"{mode}_{key}": value for mode, values in figures.items() for key, value in values.items()}}
-            row.update({f"cost_rows_{n}": row[f"on_rows_{n}_ms"] / row[f"off_rows_{n}_ms"] for n in (1, 8)})
+            row.update({f"cost_{key}": row[f"on_{key}_ms"] / row[f"off_{key}_ms"] for key in ("rows_1", "rows_8", "tree")})
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows

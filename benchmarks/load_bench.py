@@ -89,6 +89,7 @@ def run_swarm(model: str, servers: int, batching: str, ks: list[int], logs: str 
             swarm.add_server("--blocks", f"{index * n // servers}:{(index + 1) * n // servers}", *BATCHING[batching])
         with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
+            run_sessions(model, [torch.tensor([[3] * PROMPT])], concurrent=False)  # warm-up, not measured
             rows = []
             for k in ks:
                 rows.append({"topology": topology, "batching": batching, **run_k(model, config.vocab_size, k)})

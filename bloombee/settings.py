@@ -27,12 +27,13 @@ class ServerSettings(BaseModel):
     batch_wait_ms: float = Field(0.0, ge=0, description="milliseconds a step waits for other sessions' steps to join "
                                  "its forward when the device is free (0: it starts at once; steps that arrive while "
                                  "a forward runs join the next one anyway)")
-    batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="compute the blocks' matmuls in the "
-                                                          "row counts from which this device rounds a row alike "
-                                                          "whatever rows share them (measured at start), so that a "
-                                                          "session's outputs do not depend on the sessions sharing its "
-                                                          "forwards: on, off, or auto (on where it slows a batch-1 "
-                                                          "decode step by at most 10%%, measured at start)")
+    batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="make a session's outputs independent "
+                                                          "of what shares its forwards: on (matmuls in row counts "
+                                                          "this device rounds alike, measured at start, and a "
+                                                          "speculative tree's nodes attended one at a time, so that "
+                                                          "they equal plain decoding), off, or auto (the matmul part "
+                                                          "only, where it slows a batch-1 decode step by at most "
+                                                          "10%%, measured at start)")
     cache_tokens: int = Field(16384, ge=1, description="batch x length tokens of sessions the server expects at once: "
                               "--offload auto keeps this much KV cache in device memory if it can")
     device_memory: str = Field("auto", description="device memory for weights, KV cache and workspace, e.g. 20GiB, "

@@ -66,6 +66,24 @@ def test_sessions_batched_together_get_what_they_get_alone_bit_for_bit(dtype):
         assert all(torch.equal(a, b) for a, b in zip(alone[seed], got[seed], strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_steps_nodes_get_the_bits_of_the_same_tokens_decoded_one_at_a_time(dtype):
+    backend = backend_of(dtype)
+    prompt, path = random_hidden(1, 9, 0, dtype), random_hidden(1, 3, 1, dtype)[0]  # the tree's root, child, grandchild
+    plain = backend.new_session("plain", 0, 8, 1, MAX_LENGTH)
+    backend.step(plain, prompt, 0, 0, None, None)
+    decoded = [backend.step(plain, path[depth].view(1, 1, -1), 9 + depth, 0, None, None)[0, 0] for depth in range(3)]
+    # root 0; children 1 (on the path) and 2; 1's children 3 (on the path) and 4; 2's child 5
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2])
+    others = random_hidden(1, 3, 2, dtype)[0]
+    nodes = torch.stack([path[0], path[1], others[0], path[2], others[1], others[2]])
+    trees = PackedTrees.of([TokenTree(torch.arange(6), parents)])
+    speculative = backend.new_session("speculative", 0, 8, 1, MAX_LENGTH)
+    backend.step(speculative, prompt, 0, 0, None, None)
+    out, _ = backend.tree_step(speculative, nodes, 9, 0, trees, None)
+    assert all(torch.equal(out[node], decoded[depth]) for depth, node in enumerate((0, 1, 3)))
+
+
 def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows():
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
     floor = make_batch_invariant(stack, torch.float32, torch.device("cpu"))

@@ -109,9 +109,9 @@ def test_malformed_trees_and_compactions_are_invalid_steps():
 
 def test_features_travel_as_strings_and_pruning_and_invariance_only_where_held():
     assert Feature.TREE_PRUNING in PROTOCOL_FEATURES
-    assert Feature.TREE_PRUNING not in announced_features(pruner=False, batch_invariant=True)
-    assert Feature.BATCH_INVARIANT not in announced_features(pruner=True, batch_invariant=False)
-    announced = record(0, 2, features=announced_features(pruner=True, batch_invariant=True))
+    assert Feature.TREE_PRUNING not in announced_features(pruner=False, batch_invariant=True, exact_trees=True)
+    assert Feature.BATCH_INVARIANT not in announced_features(pruner=True, batch_invariant=False, exact_trees=False)
+    announced = record(0, 2, features=announced_features(pruner=True, batch_invariant=True, exact_trees=True))
     assert json.loads(announced.model_dump_json())["features"] == [feature.value for feature in Feature]
     assert Feature.TREE_STEPS in ServerRecord.model_validate_json(announced.model_dump_json()).features
 

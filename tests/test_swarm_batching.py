@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from benchmarks.invariance_bench import prompts
 from bloombee.client import AutoDistributedModel
+from bloombee.loading import resolve_model
 from swarm_support import poll, serving
 
 MODEL = "bloombee-tiny"
@@ -112,3 +115,13 @@ def test_a_server_batching_several_sessions_is_killed_and_each_is_replayed_exact
     results = in_threads(model, SEEDS, kill_at_token_ten)
     assert killed and {seed: result["tokens"] for seed, result in results.items()} == \
         {seed: result["tokens"] for seed, result in solo.items()}
+
+
+def test_speculative_generation_gives_plain_decodings_tokens_in_bfloat16(swarm):
+    """The prompts of benchmarks/invariance_bench.py, where speculation without the mode departs from plain decoding
+    at new tokens 9 and 27 (near-ties of bfloat16 logits)."""
+    inputs = prompts(AutoTokenizer.from_pretrained(resolve_model(MODEL)))
+    with AutoDistributedModel.from_pretrained(MODEL, initial_peers=swarm.initial_peers, speculation="on") as model:
+        for prompt in inputs:
+            plain = model.generate(prompt, max_new_tokens=40, do_sample=False, draft_model="none")
+            assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False), plain)

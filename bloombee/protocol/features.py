@@ -17,8 +17,9 @@ class Feature(StrEnum):
     TREE_STEPS = "tree_steps"  # tree steps of speculative decoding (bloombee.protocol.steps.TreeStep)
     TREE_PRUNING = "tree_pruning"  # the server holds a pruner for its last block and prunes tree steps (prune_tau)
     REORDER_ROWS = "reorder_rows"  # a step may reorder the session's rows first (beam search: rows_version, reorder)
-    BATCH_INVARIANT = "batch_invariant"  # a row's outputs do not depend on the rows computed with it (its linear
-    # layers pad small matmuls to the row count from which this device rounds every count alike)
+    BATCH_INVARIANT = "batch_invariant"  # a row's outputs do not depend on the rows computed with it (its matmuls in
+    # the row counts this device rounds alike: bloombee.models.core.invariance)
+    EXACT_TREES = "exact_trees"  # a tree step's node outputs equal the same tokens decoded one at a time
 
 
 PROTOCOL_FEATURES = tuple(Feature)  # every feature this version speaks
@@ -26,8 +27,8 @@ PROTOCOL_FEATURES = tuple(Feature)  # every feature this version speaks
 REQUIRED_FEATURES = (Feature.PUSH, Feature.EXPLICIT_POSITIONS, Feature.TOKEN_MASK, Feature.HISTORY)
 
 
-def announced_features(pruner: bool, batch_invariant: bool) -> tuple[Feature, ...]:
+def announced_features(pruner: bool, batch_invariant: bool, exact_trees: bool) -> tuple[Feature, ...]:
     """What a server of this version announces: every feature, tree pruning only if it holds a `pruner`, batch
-    invariance only where its blocks compute batch-invariant."""
-    held = {Feature.TREE_PRUNING: pruner, Feature.BATCH_INVARIANT: batch_invariant}
+    invariance and exact trees only where its blocks compute so."""
+    held = {Feature.TREE_PRUNING: pruner, Feature.BATCH_INVARIANT: batch_invariant, Feature.EXACT_TREES: exact_trees}
     return tuple(feature for feature in Feature if held.get(feature, True))

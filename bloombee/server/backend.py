@@ -60,6 +60,7 @@ class BlockBackend:
         self.weight_bytes = module_weight_bytes(stack)  # the hosted blocks' weights on the device, scales included
         self.max_chunk_tokens: int | None = None  # most tokens (rows x positions) of one step of consecutive tokens
         self.batch_invariant = False  # whether the blocks' linear layers were made batch-invariant (models.core.invariance)
+        self.exact_trees = False  # whether a tree's nodes are attended one at a time (their outputs equal plain decoding)
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -182,9 +183,10 @@ class BlockBackend:
         return self._prepared(session, hidden, rope_positions, cache_positions, mask, batch_offset, finish)
 
     def _prepared(self, session: Session, hidden: torch.Tensor, rope_positions: torch.Tensor,
-                  cache_positions: torch.Tensor, mask: torch.Tensor, batch_offset: int, finish) -> PreparedStep:
+                  cache_positions: torch.Tensor, mask: torch.Tensor, batch_offset: int, finish,
+                  tree_start: int | None = None) -> PreparedStep:
         rows, tokens = hidden.shape[:2]
-        segment = Segment(rows, tokens, cache_positions, mask, session.caches, batch_offset)
+        segment = Segment(rows, tokens, cache_positions, mask, session.caches, batch_offset, tree_start)
         return PreparedStep((session.start_block, session.end_block),
                             hidden.to(self.device, self.dtype).reshape(rows * tokens, self.hidden_size),
                             rope_positions.to(self.device, torch.long).reshape(-1), segment, finish)
@@ -271,7 +273,7 @@ class BlockBackend:
             packed = packed_rows(out, trees.counts)
             return self._prune(packed, trees, prune_tau) if pruning else (packed, trees)
 
-        return self._prepared(session, dense, rope, cache_positions, mask, batch_offset, finish)
+        return self._prepared(session, dense, rope, cache_positions, mask, batch_offset, finish, start_position)
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         """Raise InvalidStep unless the tree tokens a pruner scores are ids of the model's vocabulary."""

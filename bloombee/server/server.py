@@ -19,7 +19,7 @@ from bloombee.loading import dht_prefix, load_block_stack, load_model_config, re
 from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
-from bloombee.models.core.invariance import chunk_linear_rows, row_floor
+from bloombee.models.core.invariance import apply_batch_invariance, row_floor
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -123,34 +123,38 @@ class Server:
                                pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
         backend.max_chunk_tokens = self.settings.max_chunk_tokens
-        backend.batch_invariant = self._make_batch_invariant(backend, self._cache_key(start, end, backend.dtype))
+        backend.batch_invariant, backend.exact_trees = self._make_batch_invariant(
+            backend, self._cache_key(start, end, backend.dtype))
         self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s with %s weights (%s), %.0f%% of the KV cache in host "
                     "memory", start, end, self.model_path, self.device, backend.dtype, self.quant_type,
                     format_bytes(backend.weight_bytes), 100 * backend.offload)
         return backend
 
-    def _make_batch_invariant(self, backend: BlockBackend, key: str) -> bool:
-        """--batch-invariant: chunk the blocks' matmuls where this device rounds some row counts alike (on), and with
-        auto only where that slows a batch-1 decode step by at most INVARIANCE_COST; whether it did."""
+    def _make_batch_invariant(self, backend: BlockBackend, key: str) -> tuple[bool, bool]:
+        """--batch-invariant: whether the blocks' matmuls were made to round a row alike whatever rows share them
+        (on; auto: where that slows a batch-1 decode step by at most INVARIANCE_COST), and whether a tree's nodes are
+        attended one at a time (on only: it costs a tree step 2-3x on a CPU, benchmarks/README.md)."""
         setting, stack = self.settings.batch_invariant, backend.stack
         if setting == "off":
-            return False
+            return False, False
         floor = row_floor(stack, stack.dtype, self.device)
         if floor is None:
             logger.warning("Matmuls on %s (%s) round a row by the rows beside it at every size probed: sessions "
                            "batched together may differ in their last bits from their solo runs", self.device,
                            stack.dtype)
-            return False
+            return False, False
         if setting == "auto":
             slowdown = invariance_slowdown(backend, floor, key)
             if slowdown > 1 + INVARIANCE_COST:
                 logger.info("Not batch-invariant: chunked matmuls would slow a decode step %.2fx here "
                             "(--batch-invariant on to have it anyway)", slowdown)
-                return False
-        chunk_linear_rows(stack, floor)
-        logger.info("Batch-invariant blocks: matmuls in power-of-two chunks of at least %d rows", floor)
-        return True
+                return False, False
+        trees = setting == "on"
+        apply_batch_invariance(stack, floor, trees)
+        logger.info("Batch-invariant blocks: matmuls in power-of-two chunks of at least %d rows%s", floor,
+                    ", tree nodes attended one at a time" if trees else "")
+        return True, trees
 
     def _room_for_sessions(self, backend: BlockBackend) -> int:
         """Device bytes left for sessions once the weights (and on CUDA its context and workspace) are in."""
@@ -214,7 +218,8 @@ class Server:
             codec_version=codec.CODEC_VERSION,
             codecs=codec.LAYOUTS,
             features=announced_features(pruner=self.backend.pruner is not None,
-                                        batch_invariant=self.backend.batch_invariant),
+                                        batch_invariant=self.backend.batch_invariant,
+                                        exact_trees=self.backend.exact_trees),
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
             max_chunk_tokens=self.settings.max_chunk_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ class _AttentionBase(nn.Module):
         self.head_dim = cfg.head_dim
         self.sliding_window = cfg.sliding_window
         self.scale = cfg.head_dim ** -0.5
+        self.tree_nodes_alone = False  # batch-invariant mode: tree steps attend node by node (`attend_tree_nodes`)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> q [N, h, d], k, v [N, kv, d] (before rotary)."""
@@ -54,14 +56,31 @@ class _AttentionBase(nn.Module):
         if self.sliding_window is not None:
             key_slots = torch.arange(mask.shape[-1], device=q.device) if cache is not None else positions
             mask = mask & sliding_window_mask(positions, key_slots, self.sliding_window)
+        attention = self.attend
+        if self.tree_nodes_alone and segment.tree_start is not None:
+            attention = partial(self.attend_tree_nodes, segment.tree_start)
         if cache is not None:
-            return cache.attend(q, k, v, positions, segment.batch_offset, mask, self.attend)
-        return self.attend(q, k, v, mask)
+            return cache.attend(q, k, v, positions, segment.batch_offset, mask, attention)
+        return attention(q, k, v, mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of q [b, h, T, d] over k, v [b, kv, S, d] (each KV head serving its group of query heads)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+    def attend_tree_nodes(self, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """`attend` of a tree step's nodes (slots from `start`) one at a time, each over its row's slots before the
+        tree and its own ancestors' (itself included) in order: the keys, values and mask a token decoded alone at
+        its depth attends, so that it gets that token's bits."""
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        prefix = torch.arange(start, device=q.device)
+        for row in range(q.shape[0]):
+            for node in range(q.shape[2]):
+                slots = torch.cat([prefix, mask[row, node, start:].nonzero().squeeze(1) + start])
+                out[row, :, node] = self.attend(q[row:row + 1, :, node:node + 1], k[row:row + 1, :, slots],
+                                                v[row:row + 1, :, slots], mask[row:row + 1, node:node + 1, slots])[0, :, 0]
+        return out
 
 
 class Attention(_AttentionBase):

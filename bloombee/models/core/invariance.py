@@ -7,7 +7,10 @@ row the same bits wherever it sits among them. So each process measures, for the
 smallest power-of-two row count from which every larger one up to MAX_CHUNK rounds alike (`row_floor`), and computes
 every matmul as chunks of such sizes, the last padded with zero rows (`chunk_linear_rows`): then a row comes out the
 same alone, in a micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Where no such
-size exists the mode cannot hold, and the caller says so.
+size exists the mode cannot hold, and the caller says so. Two more things round a row by its company and are
+fixed the same way: an activation's exp or tanh rounds differently in a vectorised loop's scalar tail than in its
+body (so activations see rows padded to whole vector strides), and attention over a tree's 15 queries and its key
+layout adds up differently than one query's (so in the mode a tree's nodes are attended one at a time).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK = 512  # rows of the largest matmul computed at once in the mode
+LANES = 64  # elements: a multiple of any CPU vector loop's stride (AVX-512, unrolled twice: 32 float32 values)
 CHUNK_SIZES = tuple(1 << power for power in range(MAX_CHUNK.bit_length()))  # 1, 2, 4, ... MAX_CHUNK
 
 
@@ -108,6 +113,33 @@ def unchunk_linear_rows(module: nn.Module) -> None:
             del layer.forward
 
 
+class LaneAlignedActivation(nn.Module):
+    """An elementwise activation computed on rows padded to whole SIMD strides, so that no row's last elements fall
+    in a vectorised loop's scalar tail, where exp and tanh round differently than in its vector body."""
+
+    def __init__(self, activation: nn.Module):
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = (-x.shape[-1]) % LANES
+        if not pad:
+            return self.activation(x)
+        return self.activation(F.pad(x, (0, pad)))[..., :x.shape[-1]]
+
+
+def apply_batch_invariance(module: nn.Module, floor: int, trees: bool = True) -> None:
+    """Make `module`'s blocks batch-invariant at row floor `floor`: linear layers in row chunks, activations on whole
+    SIMD strides and, with `trees`, a speculative tree's nodes attended one at a time over exactly the keys a token
+    decoded alone at its depth attends (`attend_tree_nodes`)."""
+    chunk_linear_rows(module, floor)
+    for layer in list(module.modules()):
+        if isinstance(getattr(layer, "act", None), nn.Module) and not isinstance(layer.act, LaneAlignedActivation):
+            layer.act = LaneAlignedActivation(layer.act)
+        if hasattr(layer, "tree_nodes_alone"):
+            layer.tree_nodes_alone = trees
+
+
 def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
     """Measure `module`'s row floor and chunk its linear layers by it; the floor, or None where the mode cannot hold
     on this device (logged)."""
@@ -116,7 +148,7 @@ def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.de
         logger.warning("Matmuls on %s (%s) round a row differently by where it sits at every size probed: rows "
                        "computed together may differ in their last bits from rows computed alone", device, dtype)
         return None
-    chunk_linear_rows(module, floor)
+    apply_batch_invariance(module, floor)
     logger.info("Batch-invariant linear layers on %s (%s): matmuls in power-of-two chunks of %d to %d rows", device,
                 dtype, floor, MAX_CHUNK)
     return floor

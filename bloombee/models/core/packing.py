@@ -28,6 +28,7 @@ class Segment:
     mask: torch.Tensor | None  # [rows, tokens, S] bool
     caches: Sequence[Cache] | None = None
     batch_offset: int = 0
+    tree_start: int | None = None  # the slot a tree step's trees begin at (None: consecutive tokens)
 
     @property
     def size(self) -> int:
