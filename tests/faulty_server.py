@@ -6,11 +6,12 @@ throughput a thousand times its own, so that clients route through it. Stateless
 """
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from bloombee.cli.server import main
-from bloombee.server.backend import BlockBackend
+from bloombee.server.backend import BlockBackend, PreparedStep
 from bloombee.server.server import Server
 from bloombee.server.sessions import Session
 
@@ -22,20 +23,24 @@ class FaultyBackend(BlockBackend):
 
     fault_from = 0
 
-    def step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
-             token_mask: torch.Tensor | None, rope_positions: torch.Tensor | None) -> torch.Tensor:
-        """The honest step's output, noisy at positions >= fault_from, as returned and as kept in the history."""
-        out = super().step(session, hidden, start_position, batch_offset, token_mask, rope_positions)
+    def prepare_step(self, session: Session, hidden: torch.Tensor, start_position: int, batch_offset: int,
+                     token_mask: torch.Tensor | None, rope_positions: torch.Tensor | None) -> PreparedStep:
+        """The honest step, its output noisy at positions >= fault_from, as returned and as kept in the history."""
+        prepared = super().prepare_step(session, hidden, start_position, batch_offset, token_mask, rope_positions)
         first = max(self.fault_from - start_position, 0)
-        if first >= out.shape[1]:
+        if first >= hidden.shape[1]:
+            return prepared
+
+        def noisy(out: torch.Tensor) -> torch.Tensor:
+            out = prepared.finish(out).clone()
+            generator = torch.Generator().manual_seed(start_position)
+            noise = torch.randn(out[:, first:].shape, generator=generator) * out.float().std()
+            out[:, first:] += noise.to(out.dtype)
+            rows = slice(batch_offset, batch_offset + out.shape[0])
+            session.output_history[rows, start_position + first:start_position + out.shape[1]] = out[:, first:]
             return out
-        generator = torch.Generator().manual_seed(start_position)
-        noise = torch.randn(out[:, first:].shape, generator=generator) * out.float().std()
-        out = out.clone()
-        out[:, first:] += noise.to(out.dtype)
-        rows = slice(batch_offset, batch_offset + out.shape[0])
-        session.output_history[rows, start_position + first:start_position + out.shape[1]] = out[:, first:]
-        return out
+
+        return replace(prepared, finish=noisy)
 
 
 class FaultyServer(Server):

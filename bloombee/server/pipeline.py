@@ -297,9 +297,9 @@ class SessionPipeline:
         return header, TreeStep(out, kept)
 
     async def _batched(self, rows: int, vectors: int, prepare):
-        """The step `prepare()` makes, computed in a forward with other sessions' steps ready at once; that forward's
-        time is what the hop report says the step computed (it preceded by the previous tree's compaction if the step
-        carries one, so the step never reads a cache that is not yet compacted)."""
+        """The step `prepare()` makes (after the previous tree's compaction if the step carries one, so that it never
+        reads a cache not yet compacted), computed in a forward with other sessions' steps ready at once; that
+        forward's time is what the hop report says the step computed."""
         session = self.session
         result, timing = await self.context.batcher.compute((session.start_block, session.end_block), rows, vectors,
                                                            prepare)

@@ -279,6 +279,7 @@ class Server:
         finally:
             announced = await loop.run_in_executor(None, self._announce_offline)
             self.meter.save()
+            await self.servicer.batcher.close()
             self.servicer.compute.shutdown(wait=False)
             logger.info("Announced offline and stopped" if announced else "Stopped without announcing offline")
 

@@ -26,41 +26,35 @@ LOAD_WINDOW_S = 10.0  # seconds of served forwards whose mean size is the announ
 INVARIANCE_COST = 0.10  # --batch-invariant auto: the most the mode may slow a batch-1 decode step
 
 
-def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
-    """Decode steps per second through one block at batch 1: blocks x steps / seconds of the fastest round."""
-    session = backend.new_session("throughput-probe", backend.start, backend.end, 1, ROUNDS * steps + 1)
-    hidden = torch.randn(1, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+def _fastest_step_seconds(backend: BlockBackend, rows: int, steps: int, label: str | None = None) -> float:
+    """Seconds of a decode step of `rows` rows through all the backend's blocks: the fastest of ROUNDS rounds of
+    `steps` steps (a progress bar named `label`, if given)."""
+    session = backend.new_session("throughput-probe", backend.start, backend.end, rows, ROUNDS * steps + 1)
+    hidden = torch.randn(rows, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
     backend.step(session, hidden, 0, 0, None, None)  # warm-up
     best = float("inf")
     positions = iter(range(1, ROUNDS * steps + 1))
-    for _ in progress(range(ROUNDS), "measuring throughput", unit="round"):
+    for _ in progress(range(ROUNDS), label, unit="round") if label else range(ROUNDS):
         began = time.perf_counter()
         for _, position in zip(range(steps), positions):
             backend.step(session, hidden, position, 0, None, None)
         if backend.device.type == "cuda":
             torch.cuda.synchronize(backend.device)
         best = min(best, time.perf_counter() - began)
-    return steps * (backend.end - backend.start) / best
+    return best / steps
+
+
+def measure_block_throughput(backend: BlockBackend, steps: int = 8) -> float:
+    """Decode steps per second through one block at batch 1: blocks / seconds of a step in the fastest round."""
+    seconds = _fastest_step_seconds(backend, 1, steps, "measuring throughput")
+    return (backend.end - backend.start) / seconds
 
 
 def measure_row_seconds(backend: BlockBackend, steps: int = 4) -> float:
-    """Seconds one more row adds to a decode forward through one block: the fastest rounds of BATCH_ROWS-row and of
-    1-row decode steps, their difference per added row and block."""
-    hidden = torch.randn(BATCH_ROWS, 1, backend.hidden_size, generator=torch.Generator().manual_seed(0))
-    best = {}
-    for rows in (1, BATCH_ROWS):
-        session = backend.new_session("row-cost-probe", backend.start, backend.end, rows, ROUNDS * steps + 1)
-        backend.step(session, hidden[:rows].to(backend.dtype), 0, 0, None, None)  # warm-up
-        positions = iter(range(1, ROUNDS * steps + 1))
-        best[rows] = float("inf")
-        for _ in range(ROUNDS):
-            began = time.perf_counter()
-            for _, position in zip(range(steps), positions):
-                backend.step(session, hidden[:rows].to(backend.dtype), position, 0, None, None)
-            if backend.device.type == "cuda":
-                torch.cuda.synchronize(backend.device)
-            best[rows] = min(best[rows], (time.perf_counter() - began) / steps)
-    return max(best[BATCH_ROWS] - best[1], 0.0) / (BATCH_ROWS - 1) / (backend.end - backend.start)
+    """Seconds one more row adds to a decode forward through one block: BATCH_ROWS-row against 1-row decode steps
+    (the fastest rounds), per added row and block."""
+    extra = _fastest_step_seconds(backend, BATCH_ROWS, steps) - _fastest_step_seconds(backend, 1, steps)
+    return max(extra, 0.0) / (BATCH_ROWS - 1) / (backend.end - backend.start)
 
 
 def invariance_slowdown(backend: BlockBackend, floor: int, key: str,
@@ -72,9 +66,10 @@ def invariance_slowdown(backend: BlockBackend, floor: int, key: str,
         plain = measure_block_throughput(backend)
         chunk_linear_rows(backend.stack, floor)
         try:
-            return plain / measure_block_throughput(backend)
+            chunked = measure_block_throughput(backend)
         finally:
             unchunk_linear_rows(backend.stack)
+        return plain / chunked
 
     return float(cached(cache_path, f"{key}|invariance{floor}", measure))
 
