@@ -8,11 +8,20 @@ step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessi
 gave exactly the tokens of their solo run.
 
     python -m benchmarks.load_bench --ks 1 2 4 8 16 32
+
+With `--env E5` (or any netbench environment; as root) the servers and the client run in netbench's network
+namespaces, every uplink shaped as the environment says; by default everything is on loopback:
+
+    sudo unshare --net -- bash -c 'ip link set lo up && exec .venv/bin/python -m benchmarks.load_bench \
+        --model pipeline --servers 3 --ks 1 2 4 8 --env E5 --output benchmarks/results/load_pipeline_e5.json'
 """
 
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -78,23 +87,83 @@ def run_k(model, vocab_size: int, k: int) -> dict:
             "refusals": sorted({out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out})}
 
 
-def run_swarm(model: str, servers: int, batching: str, ks: list[int], logs: str | None) -> list[dict]:
-    """The rows of `servers` servers splitting the model's blocks evenly, batching on or off."""
-    path = resolve_model(model)
+def blocks_of(index: int, servers: int, num_blocks: int) -> str:
+    return f"{index * num_blocks // servers}:{(index + 1) * num_blocks // servers}"
+
+
+def run_client(model, ks: list[int], vocab_size: int, label: dict) -> list[dict]:
+    """A warm-up session, then each K: the rows, printed as they come."""
+    run_sessions(model, [torch.tensor([[3] * PROMPT])], concurrent=False)
+    rows = []
+    for k in ks:
+        rows.append({**label, **run_k(model, vocab_size, k)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str | None) -> list[dict]:
+    """The rows of `servers` servers on loopback splitting the model's blocks evenly, batching on or off."""
     config = load_model_config(path)
     n = config.num_hidden_layers
-    topology = f"{servers} server{'s' if servers > 1 else ''}"
     with LocalSwarm(str(path), n, dht_prefix(path), log_dir=logs) as swarm:
         for index in range(servers):
-            swarm.add_server("--blocks", f"{index * n // servers}:{(index + 1) * n // servers}", *BATCHING[batching])
+            swarm.add_server("--blocks", blocks_of(index, servers, n), *BATCHING[batching])
         with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
-            run_sessions(model, [torch.tensor([[3] * PROMPT])], concurrent=False)  # warm-up, not measured
-            rows = []
-            for k in ks:
-                rows.append({"topology": topology, "batching": batching, **run_k(model, config.vocab_size, k)})
-                print(json.dumps(rows[-1]), flush=True)
-            return rows
+            return run_client(model, ks, config.vocab_size, {"topology": topology_name(servers), "batching": batching})
+
+
+def topology_name(servers: int) -> str:
+    return f"{servers} server{'s' if servers > 1 else ''}"
+
+
+def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env_name: str, logs: Path) -> list[dict]:
+    """The same in netbench's namespaces shaped as `env_name`: servers s0, s1, ..., the client's part of this script
+    in the namespace `client`, its rows read from its output."""
+    from benchmarks.netbench import netns, presets
+    from benchmarks.netbench.swarm import NetSwarm
+
+    env, n = presets.parse_environment(env_name), load_model_config(path).num_hidden_layers
+    nodes = ["client", *(f"s{index}" for index in range(servers))]
+    with netns.Topology(nodes) as topology:
+        topology.apply(env)
+        with NetSwarm(topology, str(path), logs / f"{servers}-{batching}") as swarm:
+            swarm.start_dht()
+            swarm.wait_dht()
+            link = env.uplink_mbps or 10000.0
+            for index in range(servers):
+                swarm.start_server(f"s{index}", f"s{index}", tuple(map(int, blocks_of(index, servers, n).split(":"))),
+                                   list(BATCHING[batching]), "auto", link, threads=1)
+            argv = [sys.executable, "-m", "benchmarks.load_bench", "--client-in", topology.ips["client"], "--model",
+                    str(path), "--ks", *map(str, ks), "--servers", str(servers), "--batching", batching,
+                    "--env", env_name, "--initial-peers", *swarm.initial_peers]
+            out = subprocess.run(topology.exec_argv("client", argv), capture_output=True, text=True, check=True,
+                                 cwd=Path(__file__).resolve().parent.parent)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def client_in_namespace(args: argparse.Namespace) -> None:
+    """The client's part of `run_shaped_swarm`, run in its namespace: wait for the servers, then the K loop."""
+    from benchmarks.netbench import presets
+    from bloombee.dht.peers import start_dht
+
+    path = Path(args.model)
+    dht = start_dht(args.initial_peers, host_maddrs=[f"/ip4/{args.client_in}/tcp/0"], nat_traversal=False,
+                    client_mode=True)
+    link = presets.parse_environment(args.env).uplink_mbps or 10000.0
+    with AutoDistributedModel.from_pretrained(str(path), dht=dht, link_bandwidth_mbps=link) as model:
+        deadline = time.monotonic() + 600
+        while len(model.remote.manager.usable_servers()) < args.servers[0]:
+            if time.monotonic() > deadline:
+                raise SystemExit("the servers did not come online within 600 s")
+            time.sleep(1.0)
+            model.remote.manager.update(force=True)
+        label = {"topology": topology_name(args.servers[0]), "batching": args.batching, "env": args.env}
+        run_client(model, args.ks, load_model_config(path).vocab_size, label)
+    dht.shutdown()
 
 
 def main() -> None:
@@ -102,14 +171,24 @@ def main() -> None:
     parser.add_argument("--model", default="bloombee-tiny", help="a model, or a netbench model name (pipeline, ...)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="chains compared, by server count")
+    parser.add_argument("--env", default=None, help="a netbench environment (E1..E6, as root): shaped namespaces")
     parser.add_argument("--output", default=str(RESULTS / "load.json"))
     parser.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temporary one)")
+    parser.add_argument("--client-in", default=None, help=argparse.SUPPRESS)  # the client's part, at this address
+    parser.add_argument("--batching", default="on", help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = resolve(args.model)[0]
+    if args.client_in:
+        client_in_namespace(args)
+        return
+    model = resolve_model(resolve(args.model)[0])
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-"))
     rows = [row for servers in args.servers for batching in BATCHING
-            for row in run_swarm(model, servers, batching, args.ks, args.logs)]
-    results = {"model": args.model, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rows": rows}
+            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs) if args.env
+                        else run_swarm(model, servers, batching, args.ks, args.logs))]
+    results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": NEW_TOKENS,
+               "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
     plot(results, Path(args.output).with_suffix(".png"))
@@ -136,7 +215,7 @@ def plot(results: dict, path: Path) -> None:
     right.set(xscale="log", xlabel="concurrent sessions K", ylabel="p99 decode step, ms")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
-    fig.suptitle(f"{results['model']}: sessions batched across on each server, or each step alone")
+    fig.suptitle(f"{results['model']} ({results['env']}): sessions batched across on each server, or each step alone")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
