@@ -132,10 +132,11 @@ class ClientSettings(BaseModel):
                               "w_d children per node when sampling")
     prune_tau: float = Field(0.3, ge=0.0, description="the first server drops draft-tree candidates whose keep score "
                              "is below this, with their descendants (0 = no pruning; greedy decoding only)")
-    batch_invariant: Literal["on", "off"] = Field("on", description="compute the LM head in the matmul sizes from "
-                                                  "which this device rounds a row alike whatever rows share them, so "
-                                                  "that a speculative tree's logits equal one token's (the servers "
-                                                  "do the same for their blocks)")
+    batch_invariant: Literal["on", "off"] = Field("off", description="on: compute the LM head in the matmul sizes "
+                                                  "from which this device rounds a row alike whatever rows share "
+                                                  "them (measured when the model loads: a few seconds for a large "
+                                                  "vocabulary on a CPU), so that with servers in --batch-invariant "
+                                                  "on a speculative tree's tokens equal plain decoding's")
     verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "
                                       "probability per step, and always at a server's first step in a session, "
                                       "recompute each span's output on another server holding its blocks and ban "

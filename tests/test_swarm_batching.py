@@ -121,7 +121,8 @@ def test_speculative_generation_gives_plain_decodings_tokens_in_bfloat16(swarm):
     """The prompts of benchmarks/invariance_bench.py, where speculation without the mode departs from plain decoding
     at new tokens 9 and 27 (near-ties of bfloat16 logits)."""
     inputs = prompts(AutoTokenizer.from_pretrained(resolve_model(MODEL)))
-    with AutoDistributedModel.from_pretrained(MODEL, initial_peers=swarm.initial_peers, speculation="on") as model:
+    with AutoDistributedModel.from_pretrained(MODEL, initial_peers=swarm.initial_peers, speculation="on",
+                                              batch_invariant="on") as model:
         for prompt in inputs:
             plain = model.generate(prompt, max_new_tokens=40, do_sample=False, draft_model="none")
             assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False), plain)

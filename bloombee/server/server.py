@@ -19,7 +19,7 @@ from bloombee.loading import dht_prefix, load_block_stack, load_model_config, re
 from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
-from bloombee.models.core.invariance import apply_batch_invariance, row_floor
+from bloombee.models.core.invariance import apply_batch_invariance
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -37,7 +37,8 @@ from bloombee.server.memory import (
     format_bytes,
 )
 from bloombee.server.sessions import SessionRegistry
-from bloombee.server.throughput import INVARIANCE_COST, block_throughput_meter, invariance_slowdown
+from bloombee.server.throughput import (INVARIANCE_COST, block_throughput_meter, invariance_slowdown,
+                                        measured_row_floor)
 from bloombee.settings import ServerSettings
 from bloombee.weight_formats import QuantType
 
@@ -138,7 +139,7 @@ class Server:
         setting, stack = self.settings.batch_invariant, backend.stack
         if setting == "off":
             return False, False
-        floor = row_floor(stack, stack.dtype, self.device)
+        floor = measured_row_floor(backend, key)
         if floor is None:
             logger.warning("Matmuls on %s (%s) round a row by the rows beside it at every size probed: sessions "
                            "batched together may differ in their last bits from their solo runs", self.device,

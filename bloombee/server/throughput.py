@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bloombee.models.core.invariance import chunk_linear_rows, unchunk_linear_rows
+from bloombee.models.core.invariance import chunk_linear_rows, row_floor, unchunk_linear_rows
 from bloombee.planner.learning import Recent
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
@@ -55,6 +55,13 @@ def measure_row_seconds(backend: BlockBackend, steps: int = 4) -> float:
     (the fastest rounds), per added row and block."""
     extra = _fastest_step_seconds(backend, BATCH_ROWS, steps) - _fastest_step_seconds(backend, 1, steps)
     return max(extra, 0.0) / (BATCH_ROWS - 1) / (backend.end - backend.start)
+
+
+def measured_row_floor(backend: BlockBackend, key: str,
+                       cache_path: Path = CACHE_DIR / "throughput.json") -> int | None:
+    """`row_floor` of the backend's blocks with this process's threads (measured once per `key` and thread count)."""
+    key = f"{key}|rowfloor|t{torch.get_num_threads()}"
+    return cached(cache_path, key, lambda: row_floor(backend.stack, backend.dtype, backend.device))
 
 
 def invariance_slowdown(backend: BlockBackend, floor: int, key: str,

@@ -41,10 +41,12 @@ def _distinct_linears(module: nn.Module) -> list[nn.Linear]:
 
 
 def _rounds_alike(layer: nn.Linear, inputs: torch.Tensor, size: int, reference: torch.Tensor) -> bool:
-    """Whether a matmul of `size` rows gives the probe row (inputs[0]) `reference` at its first, middle and last row."""
-    probe, others = inputs[:1], inputs[1:]
-    return all(torch.equal(layer(torch.cat([others[:where], probe, others[where:size - 1]]))[where], reference)
-               for where in {0, size // 2, size - 1})
+    """Whether a matmul of `size` rows gives the probe row (inputs[0]), set at its first, middle and last row,
+    `reference` at each."""
+    rows, where = inputs[1:size + 1].clone(), sorted({0, size // 2, size - 1})
+    rows[where] = inputs[0]
+    out = layer(rows)
+    return all(torch.equal(out[index], reference) for index in where)
 
 
 @torch.inference_mode()
@@ -55,7 +57,7 @@ def row_floor(module: nn.Module, dtype: torch.dtype, device: torch.device) -> in
     floor = 1
     generator = torch.Generator().manual_seed(0)
     for layer in _distinct_linears(module):
-        inputs = torch.randn(MAX_CHUNK, layer.in_features, generator=generator).to(device, dtype)
+        inputs = torch.randn(MAX_CHUNK + 1, layer.in_features, generator=generator).to(device, dtype)
         reference = layer(torch.cat([inputs[1:MAX_CHUNK // 2], inputs[:1], inputs[MAX_CHUNK // 2:]]))[MAX_CHUNK // 2 - 1]
         alike = [_rounds_alike(layer, inputs, size, reference) for size in CHUNK_SIZES]
         index = len(CHUNK_SIZES)
