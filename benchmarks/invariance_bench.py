@@ -16,18 +16,18 @@ model, in this process (one torch thread).
 
 import argparse
 import json
-import threading
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.load_bench import in_threads
 from benchmarks.netbench.models import resolve
 from bloombee.client import AutoDistributedModel
 from bloombee.loading import dht_prefix, load_block_stack, resolve_model
 from bloombee.local_swarm import LocalSwarm
-from bloombee.models.core.invariance import make_batch_invariant
+from bloombee.models.core.invariance import make_batch_invariant, row_floor
 from bloombee.server.backend import BlockBackend
 from bloombee.speculative.tree import PackedTrees, TokenTree
 
@@ -56,13 +56,7 @@ def generate_all(model, inputs: list[torch.Tensor], speculative: bool, concurren
     def run(index: int) -> None:
         outputs[index] = generate(model, inputs[index], speculative)
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(inputs))]
-    for thread in threads:
-        thread.start()
-        if not concurrent:
-            thread.join()
-    for thread in threads:
-        thread.join()
+    in_threads([lambda index=index: run(index) for index in range(len(inputs))], concurrent)
     return outputs
 
 
@@ -135,7 +129,9 @@ def measure_cost() -> list[dict]:
             figures = {}
             for mode in MODES:
                 stack = load_block_stack(path, 0, 1, dtype=dtype)
-                floor = make_batch_invariant(stack, dtype, torch.device("cpu")) if mode == "on" else None
+                floor = row_floor(stack, dtype, torch.device("cpu")) if mode == "on" else None
+                if mode == "on":
+                    make_batch_invariant(stack, dtype, torch.device("cpu"), floor)
                 backend = BlockBackend(stack, "cpu", dtype)
                 figures[mode] = {"floor": floor, **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},
                                  "tree_ms": tree_ms(backend)}

@@ -55,10 +55,9 @@ def one_session(model, prompt: torch.Tensor, out: dict) -> None:
         out["refused"] = str(error)
 
 
-def run_sessions(model, prompts: list[torch.Tensor], concurrent: bool) -> tuple[list[dict], float]:
-    """The sessions of `prompts` in threads, all at once or one after another; their outcomes and the wall time."""
-    outs = [{} for _ in prompts]
-    threads = [threading.Thread(target=one_session, args=(model, prompt, out)) for prompt, out in zip(prompts, outs)]
+def in_threads(calls: list, concurrent: bool) -> float:
+    """Run each of `calls` in a thread of its own, all at once or one after another; the wall time."""
+    threads = [threading.Thread(target=call) for call in calls]
     began = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -66,7 +65,14 @@ def run_sessions(model, prompts: list[torch.Tensor], concurrent: bool) -> tuple[
             thread.join()
     for thread in threads:
         thread.join()
-    return outs, time.perf_counter() - began
+    return time.perf_counter() - began
+
+
+def run_sessions(model, prompts: list[torch.Tensor], concurrent: bool) -> tuple[list[dict], float]:
+    """The sessions of `prompts` in threads, all at once or one after another; their outcomes and the wall time."""
+    outs = [{} for _ in prompts]
+    calls = [lambda prompt=prompt, out=out: one_session(model, prompt, out) for prompt, out in zip(prompts, outs)]
+    return outs, in_threads(calls, concurrent)
 
 
 def run_k(model, vocab_size: int, k: int) -> dict:

@@ -24,9 +24,9 @@ class ServerSettings(BaseModel):
                                 "forward computes together (1: each step alone, no batching across sessions)")
     max_batch_tokens: int = Field(4096, ge=1, description="most tokens (rows x positions) of all sessions' steps one "
                                   "forward computes together; a larger step still runs, alone")
-    batch_wait_ms: float = Field(0.0, ge=0, description="milliseconds a step waits for other sessions' steps to join "
-                                 "its forward when the device is free (0: it starts at once; steps that arrive while "
-                                 "a forward runs join the next one anyway)")
+    batch_wait_ms: float = Field(0.0, ge=0, description="milliseconds a forward may wait for as many steps as the "
+                                 "last one computed when fewer are ready (0: it starts at once; steps that arrive "
+                                 "while a forward runs join the next one anyway)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="make a session's outputs independent "
                                                           "of what shares its forwards: on (matmuls in row counts "
                                                           "this device rounds alike, measured at start, and a "

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bloombee.loading import load_block_stack, resolve_model
-from bloombee.models.core.invariance import (chunk_linear_rows, chunk_sizes, make_batch_invariant,
+from bloombee.models.core.invariance import (chunk_linear_rows, chunk_sizes, make_batch_invariant, row_floor,
                                               unchunk_linear_rows)
 from bloombee.protocol import InvalidStep
 from bloombee.server.backend import BlockBackend
@@ -17,7 +17,8 @@ MAX_LENGTH = 64
 
 def backend_of(dtype: torch.dtype) -> BlockBackend:
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 8, dtype=dtype)
-    assert make_batch_invariant(stack, stack.dtype, torch.device("cpu")) is not None
+    cpu = torch.device("cpu")
+    assert make_batch_invariant(stack, stack.dtype, cpu, row_floor(stack, stack.dtype, cpu))
     return BlockBackend(stack, "cpu", stack.dtype)
 
 
@@ -86,8 +87,9 @@ def test_a_tree_steps_nodes_get_the_bits_of_the_same_tokens_decoded_one_at_a_tim
 
 def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows():
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
-    floor = make_batch_invariant(stack, torch.float32, torch.device("cpu"))
-    assert floor is not None and chunk_sizes(10, floor) == [8, max(floor, 2)]
+    cpu = torch.device("cpu")
+    floor = row_floor(stack, torch.float32, cpu)
+    assert make_batch_invariant(stack, torch.float32, cpu, floor) and chunk_sizes(10, floor) == [8, max(floor, 2)]
     assert chunk_sizes(1100, 4) == [512, 512, 64, 8, 4]
     layer = stack.blocks[0].mlp.down_proj
     inputs = torch.randn(700, layer.in_features, generator=torch.Generator().manual_seed(1))

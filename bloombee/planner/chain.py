@@ -149,7 +149,7 @@ class SpanFigures:
     link_bandwidth: float  # bytes/s
     activation_bytes: int  # bytes of one hidden vector in the server's dtype
     row_seconds: float | None = None  # seconds one more vector adds to a forward through one block (None: unknown)
-    busy_vectors: float = 0.0  # vectors of other sessions' steps the server's forwards compute besides a step's own
+    busy_vectors: float = 0.0  # mean vectors of the server's recent forwards: the load a step is batched with
 
     def seconds(self, vectors: int, hop_latency_s: float) -> float:
         """A step of `vectors` hidden vectors through this span: the hop into it and its compute."""

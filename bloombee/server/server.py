@@ -19,7 +19,7 @@ from bloombee.loading import dht_prefix, load_block_stack, load_model_config, re
 from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
-from bloombee.models.core.invariance import apply_batch_invariance
+from bloombee.models.core.invariance import make_batch_invariant
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -140,22 +140,15 @@ class Server:
         if setting == "off":
             return False, False
         floor = measured_row_floor(backend, key)
-        if floor is None:
-            logger.warning("Matmuls on %s (%s) round a row by the rows beside it at every size probed: sessions "
-                           "batched together may differ in their last bits from their solo runs", self.device,
-                           stack.dtype)
-            return False, False
-        if setting == "auto":
+        if floor is not None and setting == "auto":
             slowdown = invariance_slowdown(backend, floor, key)
             if slowdown > 1 + INVARIANCE_COST:
                 logger.info("Not batch-invariant: chunked matmuls would slow a decode step %.2fx here "
                             "(--batch-invariant on to have it anyway)", slowdown)
                 return False, False
         trees = setting == "on"
-        apply_batch_invariance(stack, floor, trees)
-        logger.info("Batch-invariant blocks: matmuls in power-of-two chunks of at least %d rows%s", floor,
-                    ", tree nodes attended one at a time" if trees else "")
-        return True, trees
+        invariant = make_batch_invariant(stack, stack.dtype, self.device, floor, trees)
+        return invariant, invariant and trees
 
     def _room_for_sessions(self, backend: BlockBackend) -> int:
         """Device bytes left for sessions once the weights (and on CUDA its context and workspace) are in."""

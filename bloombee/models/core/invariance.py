@@ -142,15 +142,15 @@ def apply_batch_invariance(module: nn.Module, floor: int, trees: bool = True) ->
             layer.tree_nodes_alone = trees
 
 
-def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
-    """Measure `module`'s row floor and chunk its linear layers by it; the floor, or None where the mode cannot hold
-    on this device (logged)."""
-    floor = row_floor(module, dtype, device)
+def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device, floor: int | None,
+                         trees: bool = True) -> bool:
+    """`apply_batch_invariance` at `module`'s row floor (`row_floor`); False where the mode cannot hold on this
+    device (no floor: logged)."""
     if floor is None:
-        logger.warning("Matmuls on %s (%s) round a row differently by where it sits at every size probed: rows "
-                       "computed together may differ in their last bits from rows computed alone", device, dtype)
-        return None
-    apply_batch_invariance(module, floor)
-    logger.info("Batch-invariant linear layers on %s (%s): matmuls in power-of-two chunks of %d to %d rows", device,
-                dtype, floor, MAX_CHUNK)
-    return floor
+        logger.warning("Matmuls on %s (%s) round a row by the rows beside it at every size probed: rows computed "
+                       "together may differ in their last bits from rows computed alone", device, dtype)
+        return False
+    apply_batch_invariance(module, floor, trees)
+    logger.info("Batch-invariant on %s (%s): matmuls in power-of-two chunks of %d to %d rows%s", device, dtype, floor,
+                MAX_CHUNK, ", tree nodes attended one at a time" if trees else "")
+    return True
