@@ -64,10 +64,12 @@ def test_models_lists_the_served_model(client):
     assert [entry.id for entry in client.models.list().data] == [MODEL]
 
 
-def test_greedy_completion_equals_generate(client, model, tokenizer):
+def test_greedy_completion_equals_generate(client, api, model, tokenizer):
     ids = tokenizer(PROMPT).input_ids
     expected, used = greedy_text(model, tokenizer, ids, 24)
+    speculated_before = api.status()["api"]["speculative_batches"]
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert api.status()["api"]["speculative_batches"] == speculated_before + 1  # with generate()'s default draft
     assert response.choices[0].text == expected
     assert response.choices[0].finish_reason == ("length" if used == 24 else "stop")
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), used)
@@ -197,6 +199,14 @@ def open_sessions(model) -> int:
     servers = model.remote.manager.usable_servers()
     assert len(servers) == 2
     return sum(model.remote.server_info(peer_id)["open_sessions"] for peer_id in servers)
+
+
+def test_speculative_generate_runs_up_to_a_servers_max_length(model, tokenizer):
+    ids = tokenizer(PROMPT).input_ids
+    out = model.generate(torch.tensor([ids]), max_new_tokens=SERVER_MAX_LENGTH - len(ids), do_sample=False,
+                         speculation="on", eos_token_id=None)
+    assert out.shape == (1, SERVER_MAX_LENGTH)  # trees shrank to the room the servers' limit leaves
+    assert model.last_speculation.tree_rounds > 0
 
 
 def test_client_disconnecting_mid_stream_frees_its_session(api, model):

@@ -12,17 +12,18 @@ from bloombee.loading import resolve_model
 
 
 def make_job(prompt_lengths: list[int], max_tokens: int, n: int = 1, stops: list[str] | None = None,
-             loop: asyncio.AbstractEventLoop | None = None) -> Job:
-    return Job(prompts=[[5] * length for length in prompt_lengths], max_tokens=max_tokens, temperature=0.0, top_p=1.0,
+             loop: asyncio.AbstractEventLoop | None = None, temperature: float = 0.0) -> Job:
+    return Job(prompts=[[5] * length for length in prompt_lengths], max_tokens=max_tokens, temperature=temperature, top_p=1.0,
                stops=stops or [], seed=None, n=n, loop=loop)
 
 
-def test_jobs_share_a_session_only_within_rows_and_length():
+def test_jobs_share_a_session_only_within_rows_and_length_and_greedy_with_greedy():
     first = make_job([10], 90)  # needs 100 positions
     assert fits([first], make_job([8], 50), max_rows=8)  # padded: 10 + 90 = 100
     assert not fits([first], make_job([90], 10), max_rows=8)  # padded: 90 + 90 = 180 > 100
     assert not fits([first], make_job([12], 80), max_rows=8)  # padded: 12 + 90 = 102 > 100
     assert not fits([first], make_job([10], 90, n=8), max_rows=8)  # 9 rows
+    assert not fits([first], make_job([8], 50, temperature=0.7), max_rows=8)  # greedy batches speculate
     assert [choice for choice, _ in make_job([3, 4], 5, n=2).rows] == [0, 1, 2, 3]
 
 

@@ -38,9 +38,15 @@ class Engine:
         self.scheduler = Scheduler(self._run, settings.max_sessions, settings.max_queue, settings.max_batch_rows,
                                    settings.batch_window_ms / 1000)
         self.metrics = ApiMetrics(self.scheduler)
+        self.speculative_batches = 0  # batches generated with the client's draft model, as generate() does
 
     def _run(self, jobs: list[Job]) -> None:
-        run_batch(self.model, self.tokenizer, jobs, self.pad_id, self.eos_ids)
+        if run_batch(self.model, self.tokenizer, jobs, self.pad_id, self.eos_ids):
+            self.speculative_batches += 1
+
+    def stats(self) -> dict:
+        """The scheduler's figures and how many batches were generated speculatively."""
+        return {**self.scheduler.stats(), "speculative_batches": self.speculative_batches}
 
     def check_model(self, requested: str) -> None:
         if requested != self.name:

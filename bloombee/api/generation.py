@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, StoppingCriteria
 
 from bloombee.api.errors import APIError, invalid, swarm_unavailable
 from bloombee.client import MissingBlocksError, RequestRejected
+from bloombee.speculative.api import speculative_generate
 
 logger = logging.getLogger(__name__)
 
@@ -175,18 +176,24 @@ class RowText:
 
 
 class RowTracker(StoppingCriteria):
-    """Called by generate() after each step with the new tokens: feeds each row and says which rows are done."""
+    """Feeds each row its new tokens and says which rows are done: called by transformers' generate() after each
+    step, and by speculative generation (`feed`) after each round."""
 
     def __init__(self, rows: list[RowText]):
         self.rows = rows
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        for row, token in zip(self.rows, input_ids[:, -1].tolist()):
+        return torch.tensor([self.feed(index, [token]) for index, token in enumerate(input_ids[:, -1].tolist())],
+                            dtype=torch.bool)
+
+    def feed(self, index: int, tokens: list[int]) -> bool:
+        """Give row `index` its new tokens; whether it is done (finished, or its request cancelled)."""
+        row = self.rows[index]
+        for token in tokens:
             if not row.done:
                 row.add(token)
-        for row in self.rows:
-            row.done = row.done or row.job.cancelled.is_set()
-        return torch.tensor([row.done for row in self.rows], dtype=torch.bool)
+        row.done = row.done or row.job.cancelled.is_set()
+        return row.done
 
 
 def client_error(error: Exception) -> APIError:
@@ -209,22 +216,28 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def run_batch(model, tokenizer, jobs: list[Job], pad_id: int, eos_ids: set[int]) -> None:
-    """Generate every row of `jobs` in one inference session; each job gets its events, then DONE."""
+def run_batch(model, tokenizer, jobs: list[Job], pad_id: int, eos_ids: set[int]) -> bool:
+    """Generate every row of `jobs` in one inference session; each job gets its events, then DONE. Whether the
+    batch was generated speculatively."""
     try:
-        generate_rows(model, tokenizer, jobs, pad_id, eos_ids)
+        return generate_rows(model, tokenizer, jobs, pad_id, eos_ids)
     except Exception as error:  # every failure reaches the requests' clients as an API error
         logger.warning("Generation for requests %s failed: %s", [job.id for job in jobs], error,
                        exc_info=logger.isEnabledFor(logging.DEBUG))
         for job in jobs:
             job.emit(Failed(client_error(error)))
+        return False
     finally:
         for job in jobs:
             job.emit(DONE)
 
 
-def generate_rows(model, tokenizer, jobs: list[Job], pad_id: int, eos_ids: set[int]) -> None:
-    """One generate() call over the rows of all `jobs`, left-padded, each row sampled and stopped on its own."""
+def generate_rows(model, tokenizer, jobs: list[Job], pad_id: int, eos_ids: set[int]) -> bool:
+    """One generate() call over the rows of all `jobs`, left-padded, each row sampled and stopped on its own.
+
+    A greedy batch is generated as `model.generate()` generates by default: speculatively with the client's
+    draft model when it has one, so a greedy request gives the same tokens through both. Whether it was.
+    """
     rows, prompts, settings = [], [], []
     for job in jobs:
         for choice, prompt in job.rows:
@@ -232,8 +245,16 @@ def generate_rows(model, tokenizer, jobs: list[Job], pad_id: int, eos_ids: set[i
             prompts.append(prompt)
             settings.append((job.temperature, job.top_p, job.generator(choice)))
     ids, mask = left_pad(prompts, pad_id)
-    logger.info("Generating %d rows of %d requests in one session", len(rows), len(jobs))
-    model.generate(ids, attention_mask=mask, max_new_tokens=max(job.max_tokens for job in jobs), do_sample=False,
-                   logits_processor=[RowSampler(settings)], stopping_criteria=[RowTracker(rows)], pad_token_id=pad_id)
+    draft = model.settings_draft() if all(job.temperature == 0 for job in jobs) else None
+    logger.info("Generating %d rows of %d requests in one session%s", len(rows), len(jobs),
+                ", speculatively" if draft is not None else "")
+    new_tokens = max(job.max_tokens for job in jobs)
+    if draft is not None:
+        speculative_generate(model, ids, draft, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=pad_id, on_tokens=RowTracker(rows).feed)
+    else:
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, draft_model="none",
+                       logits_processor=[RowSampler(settings)], stopping_criteria=[RowTracker(rows)], pad_token_id=pad_id)
     for row in rows:
         row.end()
+    return draft is not None

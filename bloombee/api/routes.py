@@ -37,12 +37,12 @@ def build_router(engine: Engine) -> APIRouter:
     @router.get("/status.json")
     async def status_json() -> dict:
         status = await asyncio.to_thread(engine.swarm_status)
-        return {"models": [status.model_dump()], "api": engine.scheduler.stats()}
+        return {"models": [status.model_dump()], "api": engine.stats()}
 
     @router.get("/status", response_class=HTMLResponse)
     async def status_page() -> str:
         status = await asyncio.to_thread(engine.swarm_status)
-        return render_status(status, engine.scheduler.stats(), engine.settings.status_refresh_seconds)
+        return render_status(status, engine.stats(), engine.settings.status_refresh_seconds)
 
     return router
 

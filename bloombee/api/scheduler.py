@@ -2,7 +2,8 @@
 
 Requests that arrive within `batch_window_ms` of each other (or wait together in the queue) go into one
 inference session as rows of one batch when they fit: together at most `max_batch_rows` rows, and a
-padded length (longest prompt + most new tokens) no longer than the longest any one of them needs alone.
+padded length (longest prompt + most new tokens) no longer than the longest any one of them needs alone, and
+all greedy or all sampled (a greedy batch is generated speculatively, as generate() does).
 """
 
 import asyncio
@@ -21,7 +22,8 @@ def fits(batch: list[Job], job: Job, max_rows: int) -> bool:
     rows = sum(len(member.rows) for member in batch) + len(job.rows)
     members = [*batch, job]
     padded = max(len(p) for member in members for p in member.prompts) + max(member.max_tokens for member in members)
-    return rows <= max_rows and padded <= max(member.length for member in members)
+    greedy = {member.temperature == 0 for member in members}
+    return rows <= max_rows and padded <= max(member.length for member in members) and len(greedy) == 1
 
 
 class Scheduler:

@@ -57,6 +57,12 @@ class RemoteSequential:
                                    self.policy_for, self.figures, self.choose_micro_batches)
         return session.open()
 
+    def session_length_limit(self) -> int | None:
+        """The longest session every usable server announces it opens (None: none announces a limit)."""
+        self.manager.update()
+        limits = [record.max_length for record in self.manager.usable_servers().values() if record.max_length]
+        return min(limits, default=None)
+
     def server_info(self, peer_id: str) -> dict | None:
         """What a server says about itself (its record, open sessions, cache left); None if it answers an error."""
         stub = block_service_stub(self.p2p, peer_id)

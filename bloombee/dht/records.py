@@ -56,6 +56,8 @@ class ServerRecord(BaseModel):
     features: tuple[str, ...] = ()
     maddrs: tuple[str, ...] = ()
     profile: NodeProfile | None = Field(None, description="planner node measured by its profile: memory, cost table, link, codec")
+    max_length: int | None = Field(None, ge=1, description="longest session (prompt + generated positions) this "
+                                   "server opens (None: not announced)")
     max_chunk_tokens: int | None = Field(None, ge=1, description="most tokens (rows x positions) one step of "
                                          "consecutive tokens may carry (None: no limit announced)")
     planned_batch_size: int | None = Field(None, ge=1, description="batch size B of the plan this server follows")

@@ -216,6 +216,7 @@ class Server:
                                         exact_trees=self.backend.exact_trees),
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
+            max_length=self.settings.max_length,
             max_chunk_tokens=self.settings.max_chunk_tokens,
             planned_batch_size=self.planned[0] if self.planned else None,
             planned_micro_batches=self.planned[1] if self.planned else None,

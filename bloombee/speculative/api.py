@@ -12,7 +12,7 @@ from bloombee.speculative.switch import SpeculationSwitch
 
 ACCEPTED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
             "pad_token_id", "attention_mask", "generator", "streamer", "speculation", "draft_widths", "prune_tau",
-            "num_beams", "use_cache"}
+            "num_beams", "use_cache", "on_tokens"}
 
 
 def load_draft(draft, model) -> DraftModel:
@@ -48,7 +48,7 @@ def speculative_generate(model, input_ids: torch.Tensor, draft, **kwargs) -> tor
     tau = kwargs.get("prune_tau", settings.prune_tau)
     switch = SpeculationSwitch(kwargs.get("speculation") or settings.speculation)
     generator = SpeculativeGenerator(model, load_draft(draft, model), tuple(widths), tau or None, switch,
-                                     kwargs.get("streamer"))
+                                     kwargs.get("streamer"), kwargs.get("on_tokens"))
     eos = kwargs.get("eos_token_id", config.eos_token_id)
     output = generator.generate(input_ids, kwargs.get("attention_mask"), int(new_tokens), sampling,
                                 eos[0] if isinstance(eos, list) else eos, kwargs.get("pad_token_id", config.pad_token_id))

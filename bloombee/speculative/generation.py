@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,10 +73,12 @@ class SpeculativeGenerator:
     """Runs one generate() call of `model` with `draft` in a session of its own."""
 
     def __init__(self, model, draft: DraftModel, widths: tuple[int, ...] = DEFAULT_WIDTHS,
-                 prune_tau: float | None = None, switch: SpeculationSwitch | None = None, streamer=None):
+                 prune_tau: float | None = None, switch: SpeculationSwitch | None = None, streamer=None,
+                 on_tokens: Callable[[int, list[int]], bool] | None = None):
         self.model, self.draft, self.widths = model, draft, tuple(widths)
         self.prune_tau, self.switch = prune_tau, switch or SpeculationSwitch("on")
         self.streamer = streamer  # transformers-style: put(tokens [1, n]) as row 0's tokens come, end() at the end
+        self.on_tokens = on_tokens  # (row, its new tokens) after each round; True ends that row
         self.stats = RoundStats()
 
     @torch.inference_mode()
@@ -85,13 +88,14 @@ class SpeculativeGenerator:
         batch = input_ids.shape[0]
         room = tree_size(self.widths)
         began = time.perf_counter()
-        holes = max_new_tokens if batch > 1 else 0  # slots rows that accept less than the longest path leave unused
-        with self.model.remote.inference_session(input_ids.shape[1] + max_new_tokens + room + holes, batch) as session:
+        with self.model.remote.inference_session(self._session_length(input_ids.shape[1] + max_new_tokens, room, batch),
+                                                 batch) as session:
             logits = self._logits(session.step(self.model.head.embed(input_ids), attention_mask))[:, -1]
             generated = [[int(token)] for token in sampling.choose(logits)]
             self._stream(input_ids[:1])
             streamed = self._stream_new(generated[0], 0, max_new_tokens, eos_token_id)
-            done = [self._finished(row, max_new_tokens, eos_token_id) for row in generated]
+            done = [self._finished(tokens, max_new_tokens, eos_token_id) | self._told_to_stop(row, tokens)
+                    for row, tokens in enumerate(generated)]
             self._mark_done(done, [False] * batch, began)
             draft_in_step = False
             while not all(done):
@@ -109,7 +113,8 @@ class SpeculativeGenerator:
                 for row, tokens in enumerate(new_tokens):
                     if not done[row]:
                         generated[row].extend(tokens)
-                        done[row] = self._finished(generated[row], max_new_tokens, eos_token_id)
+                        done[row] = (self._finished(generated[row], max_new_tokens, eos_token_id)
+                                     | self._told_to_stop(row, tokens))
                 streamed = self._stream_new(generated[0], streamed, max_new_tokens, eos_token_id)
                 self._mark_done(done, was_done, began)
             self.stats.chain = [(span.record.public_name or span.peer_id[-8:], span.start, span.end)
@@ -117,6 +122,18 @@ class SpeculativeGenerator:
         if self.streamer is not None:
             self.streamer.end()
         return self._sequences(input_ids, generated, max_new_tokens, eos_token_id, pad_token_id)
+
+    def _session_length(self, length: int, room: int, batch: int) -> int:
+        """Positions to open: the sequence, a tree's room, and with several rows the slots rows that accept less than
+        the longest path leave unused, within the servers' announced limit (trees shrink to what is left, so a
+        session of just the sequence still completes)."""
+        holes = length if batch > 1 else 0
+        limit = self.model.remote.session_length_limit()
+        return max(length, min(length + room + holes, limit)) if limit else length + room + holes
+
+    def _told_to_stop(self, row: int, tokens: list[int]) -> bool:
+        """Hand a row's new tokens to `on_tokens`; whether it ends the row."""
+        return self.on_tokens is not None and self.on_tokens(row, tokens)
 
     def _stream(self, tokens: torch.Tensor) -> None:
         if self.streamer is not None:
