@@ -79,3 +79,34 @@ def poll(condition, limit: float, what: str) -> float:
         assert time.monotonic() - began < limit, f"{what} not within {limit:g} s"
         time.sleep(POLL_PERIOD)
     return time.monotonic()
+
+
+def capture_sessions(model) -> list:
+    """Wrap model.remote.inference_session so that the sessions speculative generation opens can be looked at."""
+    opened, original = [], model.remote.inference_session
+
+    def capturing(*args, **kwargs):
+        opened.append(original(*args, **kwargs))
+        return opened[-1]
+
+    model.remote.inference_session = capturing
+    return opened
+
+
+class KillAfter:
+    """A streamer: once `after` new tokens have come, SIGKILL the server of span `span_index` of the last captured
+    session (`capture_sessions`)."""
+
+    def __init__(self, swarm: LocalSwarm, sessions: list, after: int, span_index: int):
+        self.swarm, self.sessions, self.after, self.span_index = swarm, sessions, after, span_index
+        self.tokens, self.victim, self.killed_at = -1, None, None  # the first put() is the prompt
+
+    def put(self, tokens: torch.Tensor) -> None:
+        self.tokens += 1 if self.tokens < 0 else tokens.numel()
+        if self.victim is None and self.tokens >= self.after:
+            self.victim = self.sessions[-1].spans[self.span_index].record.public_name
+            self.swarm.kill(self.victim)
+            self.killed_at = self.tokens
+
+    def end(self) -> None:
+        pass

@@ -1,7 +1,7 @@
 """Many sessions on one swarm (bloombee-tiny in bfloat16, batch-invariant servers and client): their steps share
 forwards, and each session's outputs are bit for bit those of its solo run, whether the sessions are threads of one
 client or client processes, beside a client killed mid-generation; a server batching several sessions is killed and
-each of them is replayed onto the other exactly."""
+each of them is replayed onto the other exactly, a speculative round too."""
 
 import hashlib
 import json
@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from benchmarks.invariance_bench import prompts
 from bloombee.client import AutoDistributedModel
 from bloombee.loading import resolve_model
+from bloombee.speculative.tree import PackedTrees, TokenTree
 from swarm_support import poll, serving
 
 MODEL = "bloombee-tiny"
@@ -126,3 +127,38 @@ def test_speculative_generation_gives_plain_decodings_tokens_in_bfloat16(swarm):
         for prompt in inputs:
             plain = model.generate(prompt, max_new_tokens=40, do_sample=False, draft_model="none")
             assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False), plain)
+
+
+@torch.inference_mode()
+def prompt_tree_then_token(model, on_commit=lambda session: None) -> torch.Tensor:
+    """A prompt, a tree step whose root, child and grandchild are accepted, then one token: that step's output."""
+    generator = torch.Generator().manual_seed(5)
+    prompt, token = (model.head.embed(torch.randint(3, 4000, shape, generator=generator)) for shape in ((1, 12), (1, 1)))
+    tree = PackedTrees.of([TokenTree(torch.randint(3, 4000, (7,), generator=generator),
+                                       torch.tensor([-1, 0, 0, 1, 1, 2, 2]))])
+    with model.remote.inference_session(max_length=32) as session:
+        session.step(prompt)
+        session.tree_step(model.head.embed(tree.tokens), tree)
+        session.commit_tree([torch.tensor([0, 1, 3])])
+        on_commit(session)
+        return session.step(token)
+
+
+def test_a_tree_round_is_replayed_onto_a_replacement_bit_for_bit(swarm, model):
+    """Replays repeat a round's accepted tokens one at a time, as servers in `--batch-invariant on` computed them. In
+    float32 (here: two float32 servers replace the others) one step of the three tokens would round otherwise."""
+    for server in swarm.servers:
+        if server.process.poll() is None:
+            swarm.kill(server.name, signal.SIGKILL)
+    for name in ("third", "fourth"):
+        swarm.add_server("--blocks", "0:8", "--batch-invariant", "on", "--dtype", "float32", name=name, wait=False)
+    swarm.wait_online(["third", "fourth"])
+    model.remote.manager.update(force=True)
+    undisturbed = prompt_tree_then_token(model)
+    killed = []
+
+    def kill_its_server(session) -> None:
+        killed.append(session.spans[0].record.public_name)
+        swarm.kill(killed[0], signal.SIGKILL)
+
+    assert torch.equal(prompt_tree_then_token(model, kill_its_server), undisturbed) and killed

@@ -17,7 +17,7 @@ from bloombee.client import AutoDistributedModel, RequestRejected
 from bloombee.loading import resolve_model
 from bloombee.speculative.draft import DraftModel
 from bloombee.speculative.tree import PackedTrees, TokenTree
-from swarm_support import serving
+from swarm_support import KillAfter, capture_sessions, serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,18 +72,6 @@ def tree_parents(widths: tuple[int, ...]) -> torch.Tensor:
         parents += [node for node in level for _ in range(width)]
         level = list(range(first, len(parents)))
     return torch.tensor(parents, dtype=torch.long)
-
-
-def capture_sessions(model) -> list:
-    """Wrap model.remote.inference_session so that the sessions speculative generation opens can be looked at."""
-    opened, original = [], model.remote.inference_session
-
-    def capturing(*args, **kwargs):
-        opened.append(original(*args, **kwargs))
-        return opened[-1]
-
-    model.remote.inference_session = capturing
-    return opened
 
 
 def assert_same_greedy(ours: torch.Tensor, reference: torch.Tensor, local, what: str) -> None:
@@ -363,31 +351,13 @@ def test_malformed_trees_are_refused_and_the_server_goes_on(swarm, draft, tokeni
 # -- 4. failover (kills a server: last) -----------------------------------------------------------------------------
 
 
-class KillAfter:
-    """A streamer: once `after` new tokens have come, SIGKILL the server of the session's back span."""
-
-    def __init__(self, swarm, sessions: list, after: int):
-        self.swarm, self.sessions, self.after = swarm, sessions, after
-        self.tokens, self.victim, self.killed_at = -1, None, None  # the first put() is the prompt
-
-    def put(self, tokens: torch.Tensor) -> None:
-        self.tokens += 1 if self.tokens < 0 else tokens.numel()
-        if self.victim is None and self.tokens >= self.after:
-            self.victim = self.sessions[-1].spans[1].record.public_name
-            self.swarm.kill(self.victim)
-            self.killed_at = self.tokens
-
-    def end(self) -> None:
-        pass
-
-
 def test_a_back_server_killed_mid_generation_changes_no_token(swarm, model, draft, tokenizer):
     ids = tokenizer(PROMPTS[1:2], return_tensors="pt").input_ids
     args = dict(max_new_tokens=96, do_sample=False, draft_model=draft, speculation="on", prune_tau=0.2,
                 draft_widths=WIDTHS)
     undisturbed = model.generate(ids, **args)
     sessions = capture_sessions(model)
-    killer = KillAfter(swarm, sessions, 40)
+    killer = KillAfter(swarm, sessions, 40, span_index=1)
     out = model.generate(ids, streamer=killer, **args)
     (session,) = sessions
     print(f"killed {killer.victim} after {killer.killed_at} tokens; recoveries {session.recoveries}, chain "

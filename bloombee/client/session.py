@@ -289,6 +289,11 @@ class InferenceSession:
         """Whether every server of the chain announces tree steps."""
         return all(Feature.TREE_STEPS in stream.span.record.features for stream in self.streams)
 
+    def _trees_exact(self) -> bool:
+        """Whether every server of the chain computes a tree's nodes as the same tokens decoded one at a time: then a
+        replay repeats a round's accepted tokens one at a time, to rebuild the same bits."""
+        return all(Feature.EXACT_TREES in stream.span.record.features for stream in self.streams)
+
     def tree_step(self, hidden: torch.Tensor, trees: PackedTrees, prune_tau: float | None = None
                   ) -> tuple[torch.Tensor, PackedTrees]:
         """Run each row's token tree (`hidden` [sum of the trees' nodes, H], packed like `trees`) from the current
@@ -306,7 +311,11 @@ class InferenceSession:
             self.mask_history[:, start:start + width] = False
             for row, ids in enumerate(keep):
                 self.mask_history[row, start:start + ids.numel()] = True
-        self.shapes = record_shape(self.shapes, StepShape(start, advance, ((0, self.batch_size),)))
+        whole = ((0, self.batch_size),)
+        tree_shapes = ([StepShape(start + slot, 1, whole) for slot in range(advance)] if self._trees_exact()
+                       else [StepShape(start, advance, whole)])
+        for shape in tree_shapes:
+            self.shapes = record_shape(self.shapes, shape)
         self._compaction = (start, keep)
         self.position = start + advance
         return self.position
