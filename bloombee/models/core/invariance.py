@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CHUNK = 512  # rows of the largest matmul computed at once in the mode
 LANES = 64  # elements: a multiple of any CPU vector loop's stride (AVX-512, unrolled twice: 32 float32 values)
+PAD_UP_TO = 8  # rows left over that one padded matmul computes faster than a chunk per power of two
 CHUNK_SIZES = tuple(1 << power for power in range(MAX_CHUNK.bit_length()))  # 1, 2, 4, ... MAX_CHUNK
 
 
@@ -71,10 +72,11 @@ def row_floor(module: nn.Module, dtype: torch.dtype, device: torch.device) -> in
 
 def chunk_sizes(rows: int, floor: int) -> list[int]:
     """The matmul sizes `rows` rows are computed in: MAX_CHUNK while more are left, then the largest power of two
-    that fits, the last at least `floor` (padded)."""
+    that fits, until at most PAD_UP_TO are left: those go as one chunk padded to a power of two, at least `floor`."""
     sizes = []
     while rows > 0:
-        size = min(MAX_CHUNK, max(floor, 1 << (rows.bit_length() - 1)))
+        fitting = 1 << (rows.bit_length() - 1)
+        size = min(MAX_CHUNK, max(floor, fitting if rows > PAD_UP_TO or fitting == rows else fitting * 2))
         sizes.append(size)
         rows -= size
     return sizes
