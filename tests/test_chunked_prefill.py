@@ -31,7 +31,7 @@ def expected(swarm):
 def test_a_long_prompt_goes_as_chunks_and_equals_transformers(swarm, expected):
     with client(swarm) as model, model.inference_session(max_length=64, batch_size=ROWS) as session:
         out = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
-        prompt_steps = [shape for shape in session.shapes if shape.start < PROMPT_TOKENS]
+        prompt_steps = [shape for shape in session.history.shapes if shape.start < PROMPT_TOKENS]
     assert torch.equal(out, expected)
     per_step = MAX_CHUNK_TOKENS // ROWS
     assert [shape.tokens for shape in prompt_steps] == [per_step] * (PROMPT_TOKENS // per_step) + [PROMPT_TOKENS % per_step]

@@ -15,7 +15,9 @@ from bloombee.client.loop import run_sync
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
-from bloombee.client.steps import StepShape, StepStats, join_trees, joined, record_shape, shapes_before, split_rows
+from bloombee.client.failover import ChainRepair
+from bloombee.client.history import SessionHistory
+from bloombee.client.steps import StepShape, StepStats, join_trees, joined, split_rows
 from bloombee.client.verification import Untrusted, Verifier
 from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
 from bloombee.dht.records import ServerRecord
@@ -36,11 +38,9 @@ from bloombee.protocol import (
     TreeStep,
     encode_tensors,
     envelope,
-    pack,
     step_rows,
     unpack_timed,
 )
-from bloombee.models.core.kv_cache import compact_slots
 from bloombee.settings import ClientSettings
 from bloombee.speculative.tree import PackedTrees, dense_rows
 
@@ -50,14 +50,12 @@ logger = logging.getLogger(__name__)
 PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
 
 
-class InferenceSession:
+class InferenceSession(ChainRepair):
     """Sends steps of hidden states through the chain; each server pushes to the next, the last replies.
 
-    The client keeps only its own inputs (the first span's history) and the shape of every step. When a
-    server fails (its stream breaks, a push to it fails, or a step outlives its deadline), the spans it
-    covered are re-routed to other servers, which are given the history of their inputs (from the
-    client, or from the previous server's output history) step by step in the original shapes, so that
-    their caches are rebuilt bit for bit, and the step is retried. With verify_probability > 0, each span's
+    The client keeps only its own inputs (the first span's history) and the shape of every step
+    (bloombee.client.history). When a server fails (its stream breaks, a push to it fails, or a step outlives its
+    deadline), its spans are repaired (bloombee.client.failover) and the step is retried. With verify_probability > 0, each span's
     outputs are also checked against other servers (bloombee.client.verification): at its first step, then at
     random steps; a span that loses a check is re-routed with every span after it, and the step retried.
     """
@@ -72,10 +70,8 @@ class InferenceSession:
         self.position = 0
         self.streams: list[SpanStream] = []
         self.hidden_size = hidden_size
-        self.input_history: torch.Tensor | None = None  # [batch, max_length, hidden], allocated at the first step
-        self.mask_history = torch.zeros(batch_size, max_length, dtype=torch.bool)
+        self.history = SessionHistory(batch_size, max_length, hidden_size)
         self.recoveries = 0
-        self.shapes: list[StepShape] = []  # the steps that built the servers' caches, in order
         self.clock = StepClock(settings, hidden_size)
         self.last_step: StepStats | None = None
         self._step_id = 0
@@ -116,10 +112,7 @@ class InferenceSession:
         if lacking:
             raise ValueError(f"reordering rows (beam search) needs servers that announce {Feature.REORDER_ROWS.value}; "
                              f"{', '.join(lacking)} do not")
-        with torch.inference_mode():
-            if self.input_history is not None:
-                self.input_history[:, :self.position] = self.input_history[rows, :self.position]
-            self.mask_history[:, :self.position] = self.mask_history[rows, :self.position]
+        self.history.reorder(rows, self.position)
         if self._pending_rows is None:
             self.rows_version += 1
             self._pending_rows = rows.clone()
@@ -211,13 +204,13 @@ class InferenceSession:
     async def _linear_step(self, hidden: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
         """One step of consecutive tokens at positions [start, start + T) through the chain."""
         num_tokens = hidden.shape[1]
-        self._write_history(start, hidden, mask)
+        self.history.write(start, hidden, mask)
 
         def parts_of(parts: list[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
             return self._linear_parts(hidden, mask, parts)
 
         async def check(outputs: dict[int, dict], parts: list[tuple[int, int]]) -> None:
-            self.shapes = record_shape(self.shapes, StepShape(start, num_tokens, tuple(parts)))
+            self.history.record(StepShape(start, num_tokens, tuple(parts)))
             if self.verifier.enabled:
                 await self._verify(start + num_tokens, joined(outputs, parts))
             self._learn_chain_figures(num_tokens, start + num_tokens)
@@ -241,14 +234,6 @@ class InferenceSession:
             raise ValueError(f"positions [{start}, {start + num_tokens}) do not fit this session "
                              f"(written up to {self.position}, max_length {self.max_length})")
 
-    def _write_history(self, start: int, hidden: torch.Tensor, mask: torch.Tensor) -> None:
-        """Keep the step's inputs [batch, T, H] and token mask at positions [start, start + T), for replays."""
-        with torch.inference_mode():
-            if self.input_history is None:
-                self.input_history = torch.zeros(self.batch_size, self.max_length, self.hidden_size, dtype=hidden.dtype)
-            self.input_history[:, start:start + hidden.shape[1]] = hidden.detach().to(self.input_history.dtype).cpu()
-            self.mask_history[:, start:start + hidden.shape[1]] = mask
-
     async def _with_retries(self, start: int, num_tokens: int, parts_of, check=None,
                             **header) -> tuple[dict[int, dict], list[tuple[int, int]]]:
         """Run a step through the chain as micro-batches (`parts_of(parts)` gives each one's tensors) and then
@@ -265,13 +250,6 @@ class InferenceSession:
             except ServerFailed as failure:
                 await self._after_failure(failure, attempt, start)
         raise AssertionError("unreachable")
-
-    async def _after_failure(self, failure: ServerFailed, attempt: int, start: int) -> None:
-        if attempt == self.settings.max_retries:
-            raise RuntimeError(f"step failed after {attempt + 1} attempts: {failure}") from failure
-        logger.warning("Server %s failed (%s); re-routing its blocks", self.streams[failure.index].span.peer_id, failure)
-        through = len(self.streams) - 1 if isinstance(failure, Untrusted) else failure.index
-        await self._recover(failure.index, start, ban=failure.ban, through=through)
 
     def _linear_parts(self, hidden: torch.Tensor, mask: torch.Tensor,
                       parts: Sequence[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
@@ -304,18 +282,8 @@ class InferenceSession:
         """Keep each row's accepted nodes (ids, root first) of the last tree step; the position advances by the
         longest. The servers compact their caches when the next step arrives. Returns the new position."""
         start, width = self._tree
-        advance = max(ids.numel() for ids in accepted)
         keep = [ids.to(torch.long) for ids in accepted]
-        with torch.inference_mode():
-            compact_slots(self.input_history, 1, start, keep)
-            self.mask_history[:, start:start + width] = False
-            for row, ids in enumerate(keep):
-                self.mask_history[row, start:start + ids.numel()] = True
-        whole = ((0, self.batch_size),)
-        tree_shapes = ([StepShape(start + slot, 1, whole) for slot in range(advance)] if self._trees_exact()
-                       else [StepShape(start, advance, whole)])
-        for shape in tree_shapes:
-            self.shapes = record_shape(self.shapes, shape)
+        advance = self.history.commit_tree(start, width, keep, self._trees_exact())
         self._compaction = (start, keep)
         self.position = start + advance
         return self.position
@@ -334,7 +302,7 @@ class InferenceSession:
                                f"(feature {Feature.TREE_STEPS.value!r})")
         start, width = self.position, max(trees.counts)
         self._check_positions(start, width)
-        self._write_history(start, dense_rows(hidden, trees.offsets, width), dense_rows(
+        self.history.write(start, dense_rows(hidden, trees.offsets, width), dense_rows(
             torch.ones(hidden.shape[0], dtype=torch.bool), trees.offsets, width))
 
         def parts_of(parts: list[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
@@ -351,12 +319,12 @@ class InferenceSession:
         Untrusted for the first one that loses its check: every span after it computed on its outputs."""
         histories: dict[int, torch.Tensor] = {}
         for index in [index for index, stream in enumerate(self.streams) if self.verifier.due(stream)]:
-            inputs = self.input_history[:, :end] if index == 0 else await self._history_of(histories, index - 1, end)
+            inputs = self.history.inputs[:, :end] if index == 0 else await self._history_of(histories, index - 1, end)
             claimed = await self._history_of(histories, index, end)
             if index == len(self.streams) - 1:
                 claimed = claimed.clone()
                 claimed[:, end - output.shape[1]:end] = output
-            if not await self.verifier.check(self.streams[index], inputs, claimed, self.mask_history[:, :end]):
+            if not await self.verifier.check(self.streams[index], inputs, claimed, self.history.mask[:, :end]):
                 span = self.streams[index].span
                 raise Untrusted(index, f"its outputs for blocks [{span.start}, {span.end}) lost a verification")
 
@@ -527,66 +495,3 @@ class InferenceSession:
             failed = peers.index(message.failed_peer) if message.failed_peer in peers else min(index + 1, len(chain) - 1)
             raise ServerFailed(failed, message.error or "push failed")
         raise ServerFailed(index, f"server {name}: {message.error}", ban=message.error_kind != ErrorKind.EXPIRED)
-
-    async def _recover(self, failed: int, history_end: int, ban: bool = True, through: int | None = None) -> None:
-        """Replace the failed span (through span `through`, default itself, and earlier ones whose history is lost)
-        and rebuild their caches."""
-        self.recoveries += 1
-        if ban:
-            self.manager.ban(self.streams[failed].span.peer_id)
-        first, last = failed, failed if through is None else through
-        while True:
-            start_block, end_block = self.streams[first].span.start, self.streams[last].span.end
-            await self._close_streams(self.streams[first:last + 1])
-            new_streams = await self._open_route(start_block, end_block)
-            if history_end == 0:
-                break
-            if first == 0:
-                history = self.input_history[:, :history_end]
-            else:
-                try:
-                    history = await self._fetch_history(self.streams[first - 1], history_end)
-                except ServerFailed as error:
-                    logger.warning("Previous server %s lost too (%s)", self.streams[first - 1].span.peer_id, error)
-                    self.manager.ban(self.streams[first - 1].span.peer_id)
-                    await self._close_streams(new_streams)
-                    first -= 1
-                    continue
-            try:
-                await self._replay(new_streams, history, history_end)
-                break
-            except ServerFailed as error:
-                logger.warning("Replay onto new servers failed (%s); routing again", error)
-                self.manager.ban(new_streams[error.index].span.peer_id)
-                await self._close_streams(new_streams)
-        self.streams[first:last + 1] = new_streams
-        logger.info("Recovered: chain is now %s", [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in self.streams])
-
-    async def _replay(self, chain: list[SpanStream], history: torch.Tensor, end: int) -> None:
-        """Rebuild the caches of `chain` over positions [0, end) from `history`, its inputs, in the recorded step
-        shapes; all steps are sent at once and the last one's acknowledgement closes the replay."""
-        shapes = shapes_before(self.shapes, end)
-        spans = [stream.span for stream in chain]
-        expected = sum(self.clock.expected(spans, self.batch_size, shape.tokens) for shape in shapes)
-        stats, step_ids = StepStats(), []
-        for shape in shapes:
-            step_ids.append(self._next_step_id())
-            positions = slice(shape.start, shape.start + shape.tokens)
-            await self._send_step(chain, step_ids[-1], shape.start, self._linear_parts(
-                history[:, positions], self.mask_history[:, positions], shape.parts), False, stats,
-                rows_version=self.rows_version)
-        await self._await(chain, step_ids[-1], MessageKind.ACK, expected, offsets=[offset for offset, _ in shapes[-1].parts],
-                          earlier=frozenset(step_ids[:-1]))
-        logger.info("Replayed %d positions onto %s as %d steps", end, [span.peer_id[-6:] for span in spans], len(shapes))
-
-    async def _fetch_history(self, stream: SpanStream, end: int) -> torch.Tensor:
-        """The server's outputs for positions [0, end), fetched in chunks of its --max-chunk-tokens."""
-        per_message = self._chunk_positions([stream])
-        parts = []
-        for start in range(0, end, per_message):
-            step_id, stop = self._next_step_id(), min(start + per_message, end)
-            await stream.send(pack(HistoryMessage(start_position=start, end_position=stop, step_id=step_id,
-                                                  **self._rows_header())))
-            expected = self.clock.announced([stream.span], self.batch_size * (stop - start))
-            parts.append((await self._await([stream], step_id, MessageKind.HISTORY, expected))[0]["hidden"])
-        return torch.cat(parts, dim=1)
