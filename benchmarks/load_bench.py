@@ -5,7 +5,9 @@ thread each) and for batching on (the default) and off (`--max-batch-rows 1`: ea
 sessions in threads, each a 16-token prompt and 32 greedy tokens step by step. Per K: the aggregate tokens/s of the
 K sessions at once, and of the same K sessions one after another (the baseline a server that computes one session's
 step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions admitted, and how many sessions
-gave exactly the tokens of their solo run.
+gave exactly the tokens of their solo run. And per server, while the K sessions ran at once: its steps per forward,
+its mean forward's time, and what the model of the chain (`planner.chain.SpanFigures`, from the server's announced
+figures) predicts for a forward of that many steps.
 
     python -m benchmarks.load_bench --ks 1 2 4 8 16 32
 
@@ -24,12 +26,15 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.netbench.models import resolve
 from bloombee.client import AutoDistributedModel, RequestRejected
+from bloombee.client.routing import span_figures
+from bloombee.dht.records import ServerRecord
 from bloombee.loading import dht_prefix, load_model_config, resolve_model
 from bloombee.local_swarm import LocalSwarm
 
@@ -79,7 +84,9 @@ def run_k(model, vocab_size: int, k: int) -> dict:
     generator = torch.Generator().manual_seed(k)
     prompts = [torch.randint(3, vocab_size, (1, PROMPT), generator=generator) for _ in range(k)]
     alone, alone_wall = run_sessions(model, prompts, concurrent=False)
+    before = forward_totals(model)
     outs, wall = run_sessions(model, prompts, concurrent=True)
+    forwards = forwards_against_model(model, before, forward_totals(model))
     done = [(out, solo) for out, solo in zip(outs, alone) if "tokens" in out and "tokens" in solo]
     steps = sorted(step for out, _ in done for step in out["steps"])
     solo_steps = sorted(step for solo in alone if "steps" in solo for step in solo["steps"])
@@ -90,7 +97,33 @@ def run_k(model, vocab_size: int, k: int) -> dict:
             "step_p50_ms": 1e3 * statistics.median(steps) if steps else None,
             "step_p99_ms": 1e3 * steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None,
             "solo_step_p50_ms": 1e3 * statistics.median(solo_steps) if solo_steps else None,
-            "refusals": sorted({out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out})}
+            "refusals": sorted({out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out}),
+            "forwards": forwards}
+
+
+def forward_totals(model) -> dict[str, tuple[ServerRecord, dict]]:
+    """Each usable server's record as it would announce it now and its forwards so far (count, steps, seconds)."""
+    totals = {}
+    for peer in model.remote.manager.usable_servers():
+        info = model.remote.server_info(peer)
+        record = ServerRecord.model_validate({key: info[key] for key in ServerRecord.model_fields if key in info})
+        totals[peer] = (record, info["forwards"])
+    return totals
+
+
+def forwards_against_model(model, before: dict, after: dict) -> list[dict]:
+    """Per server, in chain order: its forwards between two `forward_totals`, their mean steps and time, and the
+    model's time for a forward of a one-vector step beside that many other steps' vectors."""
+    rows = []
+    for peer, (record, totals) in sorted(after.items(), key=lambda item: item[1][0].start_block):
+        count, steps, seconds = (totals[key] - before[peer][1][key] for key in ("count", "steps", "seconds"))
+        if not count:
+            continue
+        blocks = record.end_block - record.start_block
+        figures = replace(span_figures(record, blocks, model.config.hidden_size), busy_vectors=steps / count - 1)
+        rows.append({"server": record.public_name or peer[-8:], "steps_per_forward": steps / count,
+                     "forward_ms": 1e3 * seconds / count, "predicted_forward_ms": 1e3 * blocks * figures.forward_seconds(1)})
+    return rows
 
 
 def blocks_of(index: int, servers: int, num_blocks: int) -> str:

@@ -72,10 +72,10 @@ def in_threads(model, seeds, on_token=lambda seed, session, index: None) -> dict
     return results
 
 
-def forwards(model) -> tuple[int, int]:
-    """(forwards, steps they computed) of all servers."""
-    infos = [model.remote.server_info(peer) for peer in model.remote.manager.usable_servers()]
-    return sum(info["forwards"]["count"] for info in infos), sum(info["forwards"]["steps"] for info in infos)
+def forwards(model) -> tuple[int, int, float]:
+    """(forwards, steps they computed, their seconds) of all servers."""
+    infos = [model.remote.server_info(peer)["forwards"] for peer in model.remote.manager.usable_servers()]
+    return tuple(sum(info[key] for info in infos) for key in ("count", "steps", "seconds"))
 
 
 def test_sessions_in_threads_share_forwards_and_get_their_solo_outputs_bit_for_bit(model, solo):
@@ -84,6 +84,7 @@ def test_sessions_in_threads_share_forwards_and_get_their_solo_outputs_bit_for_b
     after = forwards(model)
     assert after[1] - before[1] == len(SEEDS) * NEW_TOKENS
     assert after[0] - before[0] < after[1] - before[1]  # some forwards computed several sessions' steps
+    assert after[2] > before[2]
 
 
 def client_process(swarm, seed: int, pause_at: int = -1) -> subprocess.Popen:

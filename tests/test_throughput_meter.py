@@ -25,6 +25,17 @@ def test_served_batch_one_decode_steps_replace_the_start_up_figure_and_are_kept(
     assert 40.0 < meter.value < 80.0
 
 
+def test_served_forwards_of_several_decode_steps_replace_the_start_up_row_figure(tmp_path):
+    meter = ThroughputMeter(20.0, "key", tmp_path / "throughput.json", row_seconds=0.001)
+    for _ in range(SERVED_BEFORE_TRUSTED):
+        meter.observe(vectors=1, blocks=4, seconds=0.2)  # 0.05 s a block alone
+        meter.observe(vectors=12, blocks=4, seconds=0.3, steps=2)  # a prompt beside a decode step: not a row figure
+    assert meter.value == 20.0 and meter.row_seconds == 0.001
+    for _ in range(SERVED_BEFORE_TRUSTED):
+        meter.observe(vectors=5, blocks=4, seconds=0.36, steps=5)  # 0.09 s a block: 0.01 s for each further step
+    assert abs(meter.row_seconds - 0.01) < 1e-9
+
+
 def test_the_load_is_the_mean_size_of_recent_forwards(tmp_path):
     meter = ThroughputMeter(20.0, "key", tmp_path / "throughput.json", row_seconds=0.001, load_window_s=0.5)
     assert meter.busy_vectors == 0.0

@@ -56,6 +56,7 @@ class StepBatcher:
         self.backend, self.run_compute, self.limits, self.on_forward = backend, run_compute, limits, on_forward
         self._waiting: list[_Waiting] = []
         self.forwards = self.steps = 0  # forwards run and the steps they computed
+        self.forward_seconds = 0.0  # their wall time in all
         self._last_steps = 1  # steps of the last forward: how many a forward waits for (within wait_s)
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -166,5 +167,6 @@ class StepBatcher:
                                blocks[1] - blocks[0], sum(step.segment.size for _, step in prepared), len(prepared))
         if prepared:
             self.forwards, self.steps = self.forwards + 1, self.steps + len(prepared)
+            self.forward_seconds += timing.seconds
             self.on_forward(timing)
         return outcomes, timing

@@ -79,7 +79,7 @@ class BlockServicer:
 
     def _forward_done(self, timing: ForwardTiming) -> None:
         """A forward of sessions' steps ran: it feeds the announced throughput and the metrics."""
-        self.meter.observe(timing.vectors, timing.blocks, timing.seconds)
+        self.meter.observe(timing.vectors, timing.blocks, timing.seconds, timing.steps)
         self.metrics.observe_forward(timing.vectors, timing.steps)
 
     async def start(self, p2p: P2P) -> None:

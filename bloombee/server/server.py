@@ -236,7 +236,8 @@ class Server:
                 "open_sessions": len(self.registry), "total_blocks": self.total_blocks, "prefix": self.prefix,
                 "links": self.servicer.link_reports(), "push_buffer_bytes": self.settings.push_buffer_bytes,
                 "push": asdict(self.servicer.push_stats),
-                "forwards": {"count": self.servicer.batcher.forwards, "steps": self.servicer.batcher.steps}}
+                "forwards": {"count": self.servicer.batcher.forwards, "steps": self.servicer.batcher.steps,
+                             "seconds": self.servicer.batcher.forward_seconds}}
 
     def _announce(self) -> None:
         if not self.dht.is_alive():

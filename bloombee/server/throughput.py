@@ -1,6 +1,6 @@
 """How fast this server's blocks decode, alone and per row more in a batched forward (measured at start, best of a
-few rounds, cached per model/range/device/dtype; the batch-1 figure refreshed from the steps it serves), and how
-loaded its forwards are."""
+few rounds, cached per model/range/device/dtype; both refreshed from the forwards it serves), and how loaded its
+forwards are."""
 
 import logging
 import threading
@@ -82,22 +82,35 @@ def invariance_slowdown(backend: BlockBackend, floor: int, key: str,
 
 
 class ThroughputMeter:
-    """The announced block-steps/s: the start-up figure until enough batch-1 decode steps were served, then a
-    the mean of the last of those steps' compute (so a figure measured under load corrects itself)."""
+    """The announced block-steps/s and seconds per further row: the start-up figures until enough forwards were
+    served, then the mean of the last served batch-1 decode steps' compute, and of what each further one-vector step
+    added to the forwards that held several (so figures measured alone correct themselves under load: the event
+    loop's work and other processes slow a loaded server's forwards)."""
 
     def __init__(self, measured: float, cache_key: str, cache_path: Path = CACHE_DIR / "throughput.json",
                  row_seconds: float | None = None, load_window_s: float = LOAD_WINDOW_S):
         self.measured, self.cache_key, self.cache_path = measured, cache_key, cache_path
         self.load_window_s = load_window_s
-        self.row_seconds = row_seconds  # what one more row adds to a forward through one block (measured at start)
+        self.measured_row_seconds = row_seconds  # what one more row adds to a forward through one block, at start
         self._served = Recent(SERVED_WINDOW, statistic="mean")
+        self._served_rows = Recent(SERVED_WINDOW, statistic="mean")
         self._forwards: deque[tuple[float, int]] = deque()  # (time.monotonic(), vectors) of recent forwards
         self._lock = threading.Lock()
 
     @property
     def value(self) -> float:
         with self._lock:
-            return self._served.value if self._served.count >= SERVED_BEFORE_TRUSTED else self.measured
+            return self._value()
+
+    def _value(self) -> float:
+        return self._served.value if self._served.count >= SERVED_BEFORE_TRUSTED else self.measured
+
+    @property
+    def row_seconds(self) -> float | None:
+        with self._lock:
+            if self._served_rows.count >= SERVED_BEFORE_TRUSTED:
+                return self._served_rows.value
+            return self.measured_row_seconds
 
     @property
     def busy_vectors(self) -> float:
@@ -106,15 +119,20 @@ class ThroughputMeter:
             self._forget_before(time.monotonic() - self.load_window_s)
             return sum(vectors for _, vectors in self._forwards) / len(self._forwards) if self._forwards else 0.0
 
-    def observe(self, vectors: int, blocks: int, seconds: float) -> None:
-        """One served forward: its size counts towards the load; its compute towards the throughput only when it
-        held one vector (a lone batch-1 decode step: what the figure means)."""
+    def observe(self, vectors: int, blocks: int, seconds: float, steps: int = 1) -> None:
+        """One served forward of `steps` steps: its size counts towards the load; its compute towards the throughput
+        when it held one vector (a lone batch-1 decode step: what the figure means), towards the seconds per further
+        row when it held several steps of one vector each (decode steps of sessions batched together)."""
         with self._lock:
             now = time.monotonic()
             self._forwards.append((now, vectors))
             self._forget_before(now - self.load_window_s)
-            if vectors == 1 and seconds > 0:
+            if seconds <= 0:
+                return
+            if vectors == 1:
                 self._served.update(blocks / seconds)
+            elif vectors == steps and self.measured_row_seconds is not None:
+                self._served_rows.update(max(seconds / blocks - 1.0 / self._value(), 0.0) / (vectors - 1))
 
     def _forget_before(self, moment: float) -> None:
         while self._forwards and self._forwards[0][0] < moment:
