@@ -1,6 +1,6 @@
 """Many sessions on one swarm (bloombee-tiny in bfloat16, batch-invariant servers and client): their steps share
 forwards, and each session's outputs are bit for bit those of its solo run, whether the sessions are threads of one
-client or client processes, beside a client killed mid-generation; a server batching several sessions is killed and
+client or client processes, beside a client killed or idle past the session timeout mid-generation; a server batching several sessions is killed and
 each of them is replayed onto the other exactly, a speculative round too."""
 
 import hashlib
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,15 @@ from swarm_support import poll, serving
 
 MODEL = "bloombee-tiny"
 PROMPT, NEW_TOKENS = 16, 24
+SESSION_TIMEOUT = 10  # seconds an idle session keeps its cache on these servers
 SEEDS = range(6)
 CLIENT_SCRIPT = Path(__file__).with_name("batching_client.py")
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    with serving(MODEL, tmp_path_factory, {"first": "0:8", "second": "0:8"}, "--batch-invariant", "on") as swarm:
+    with serving(MODEL, tmp_path_factory, {"first": "0:8", "second": "0:8"}, "--batch-invariant", "on",
+                 "--session-timeout", str(SESSION_TIMEOUT)) as swarm:
         yield swarm
 
 
@@ -104,6 +107,21 @@ def test_client_processes_get_their_solo_outputs_beside_one_killed_mid_generatio
     peers = list(model.remote.manager.usable_servers())
     poll(lambda: all(model.remote.server_info(peer)["open_sessions"] == 0 for peer in peers), 60,
          "the killed client's session closed and gave its cache back")
+
+
+def test_a_session_timing_out_beside_others_gives_its_cache_back_and_disturbs_none(swarm, model, solo):
+    idle = client_process(swarm, seed=5, pause_at=8)
+    try:
+        assert idle.stdout.readline().strip() == "paused"
+        peers, deadline, rounds = list(model.remote.manager.usable_servers()), time.monotonic() + SESSION_TIMEOUT + 60, 0
+        while any(model.remote.server_info(peer)["open_sessions"] for peer in peers):  # the idle one's, until it expires
+            assert time.monotonic() < deadline, "the idle client's session did not expire"
+            assert in_threads(model, (0, 1)) == {seed: solo[seed] for seed in (0, 1)}
+            rounds += 1
+        assert rounds > 1 and idle.poll() is None  # sessions ran beside it; its client is still there
+    finally:
+        idle.kill()
+        idle.wait()
 
 
 def test_a_server_batching_several_sessions_is_killed_and_each_is_replayed_exactly(swarm, model, solo):
