@@ -88,13 +88,13 @@ class SpeculativeGenerator:
         batch = input_ids.shape[0]
         room = tree_size(self.widths)
         began = time.perf_counter()
-        with self.model.remote.inference_session(self._session_length(input_ids.shape[1] + max_new_tokens, room, batch),
-                                                 batch) as session:
+        length = self._session_length(input_ids.shape[1], max_new_tokens, room, batch)
+        with self.model.remote.inference_session(length, batch) as session:
             logits = self._logits(session.step(self.model.head.embed(input_ids), attention_mask))[:, -1]
             generated = [[int(token)] for token in sampling.choose(logits)]
             self._stream(input_ids[:1])
             streamed = self._stream_new(generated[0], 0, max_new_tokens, eos_token_id)
-            done = [self._finished(tokens, max_new_tokens, eos_token_id) | self._told_to_stop(row, tokens)
+            done = [self._told_to_stop(row, tokens) or self._finished(tokens, max_new_tokens, eos_token_id)
                     for row, tokens in enumerate(generated)]
             self._mark_done(done, [False] * batch, began)
             draft_in_step = False
@@ -113,8 +113,8 @@ class SpeculativeGenerator:
                 for row, tokens in enumerate(new_tokens):
                     if not done[row]:
                         generated[row].extend(tokens)
-                        done[row] = (self._finished(generated[row], max_new_tokens, eos_token_id)
-                                     | self._told_to_stop(row, tokens))
+                        done[row] = (self._told_to_stop(row, tokens)
+                                     or self._finished(generated[row], max_new_tokens, eos_token_id))
                 streamed = self._stream_new(generated[0], streamed, max_new_tokens, eos_token_id)
                 self._mark_done(done, was_done, began)
             self.stats.chain = [(span.record.public_name or span.peer_id[-8:], span.start, span.end)
@@ -123,13 +123,14 @@ class SpeculativeGenerator:
             self.streamer.end()
         return self._sequences(input_ids, generated, max_new_tokens, eos_token_id, pad_token_id)
 
-    def _session_length(self, length: int, room: int, batch: int) -> int:
+    def _session_length(self, prompt: int, max_new_tokens: int, room: int, batch: int) -> int:
         """Positions to open: the sequence, a tree's room, and with several rows the slots rows that accept less than
-        the longest path leave unused, within the servers' announced limit (trees shrink to what is left, so a
-        session of just the sequence still completes)."""
-        holes = length if batch > 1 else 0
+        the longest path leave unused (up to one per new token), within the servers' announced limit (trees shrink to
+        what is left, so a session of just the sequence still completes)."""
+        length = prompt + max_new_tokens
+        wanted = length + room + (max_new_tokens if batch > 1 else 0)
         limit = self.model.remote.session_length_limit()
-        return max(length, min(length + room + holes, limit)) if limit else length + room + holes
+        return max(length, min(wanted, limit)) if limit else wanted
 
     def _told_to_stop(self, row: int, tokens: list[int]) -> bool:
         """Hand a row's new tokens to `on_tokens`; whether it ends the row."""
