@@ -129,8 +129,9 @@ def measure_cost() -> list[dict]:
             figures = {}
             for mode in MODES:
                 stack = load_block_stack(path, 0, 1, dtype=dtype)
-                floor = row_floor(stack, dtype, torch.device("cpu")) if mode == "on" else None
+                floor = None
                 if mode == "on":
+                    floor = row_floor(stack, dtype, torch.device("cpu"))
                     make_batch_invariant(stack, dtype, torch.device("cpu"), floor)
                 backend = BlockBackend(stack, "cpu", dtype)
                 figures[mode] = {"floor": floor, **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},

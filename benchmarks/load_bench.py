@@ -122,7 +122,8 @@ def forwards_against_model(model, before: dict, after: dict) -> list[dict]:
         blocks = record.end_block - record.start_block
         figures = replace(span_figures(record, blocks, model.config.hidden_size), busy_vectors=steps / count - 1)
         rows.append({"server": record.public_name or peer[-8:], "steps_per_forward": steps / count,
-                     "forward_ms": 1e3 * seconds / count, "predicted_forward_ms": 1e3 * blocks * figures.forward_seconds(1)})
+                     "forward_ms": 1e3 * seconds / count,
+                     "predicted_forward_ms": 1e3 * blocks * figures.forward_seconds(1)})
     return rows
 
 

@@ -1,7 +1,7 @@
 """Many sessions on one swarm (bloombee-tiny in bfloat16, batch-invariant servers and client): their steps share
 forwards, and each session's outputs are bit for bit those of its solo run, whether the sessions are threads of one
-client or client processes, beside a client killed or idle past the session timeout mid-generation; a server batching several sessions is killed and
-each of them is replayed onto the other exactly, a speculative round too."""
+client or client processes, beside a client killed or idle past the session timeout mid-generation; a server
+batching several sessions is killed and each of them is replayed onto the other exactly, a speculative round too."""
 
 import hashlib
 import json
@@ -113,8 +113,10 @@ def test_a_session_timing_out_beside_others_gives_its_cache_back_and_disturbs_no
     idle = client_process(swarm, seed=5, pause_at=8)
     try:
         assert idle.stdout.readline().strip() == "paused"
-        peers, deadline, rounds = list(model.remote.manager.usable_servers()), time.monotonic() + SESSION_TIMEOUT + 60, 0
-        while any(model.remote.server_info(peer)["open_sessions"] for peer in peers):  # the idle one's, until it expires
+        peers, rounds = list(model.remote.manager.usable_servers()), 0
+        deadline = time.monotonic() + SESSION_TIMEOUT + 60
+        # the idle client's session stays open until the servers' timeout ends it
+        while any(model.remote.server_info(peer)["open_sessions"] for peer in peers):
             assert time.monotonic() < deadline, "the idle client's session did not expire"
             assert in_threads(model, (0, 1)) == {seed: solo[seed] for seed in (0, 1)}
             rounds += 1
@@ -152,7 +154,8 @@ def test_speculative_generation_gives_plain_decodings_tokens_in_bfloat16(swarm):
 def prompt_tree_then_token(model, on_commit=lambda session: None) -> torch.Tensor:
     """A prompt, a tree step whose root, child and grandchild are accepted, then one token: that step's output."""
     generator = torch.Generator().manual_seed(5)
-    prompt, token = (model.head.embed(torch.randint(3, 4000, shape, generator=generator)) for shape in ((1, 12), (1, 1)))
+    prompt, token = (model.head.embed(torch.randint(3, 4000, shape, generator=generator))
+                     for shape in ((1, 12), (1, 1)))
     tree = PackedTrees.of([TokenTree(torch.randint(3, 4000, (7,), generator=generator),
                                        torch.tensor([-1, 0, 0, 1, 1, 2, 2]))])
     with model.remote.inference_session(max_length=32) as session:

@@ -254,7 +254,8 @@ def generate_rows(model, tokenizer, jobs: list[Job], pad_id: int, eos_ids: set[i
                              pad_token_id=pad_id, on_tokens=RowTracker(rows).feed)
     else:
         model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, draft_model="none",
-                       logits_processor=[RowSampler(settings)], stopping_criteria=[RowTracker(rows)], pad_token_id=pad_id)
+                       logits_processor=[RowSampler(settings)], stopping_criteria=[RowTracker(rows)],
+                       pad_token_id=pad_id)
     for row in rows:
         row.end()
     return draft is not None

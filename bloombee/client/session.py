@@ -50,14 +50,19 @@ logger = logging.getLogger(__name__)
 PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
 
 
+def announced_by_all(chain: Sequence[SpanStream], feature: Feature) -> bool:
+    """Whether every server of `chain` announces `feature`."""
+    return all(feature in stream.span.record.features for stream in chain)
+
+
 class InferenceSession(ChainRepair):
     """Sends steps of hidden states through the chain; each server pushes to the next, the last replies.
 
     The client keeps only its own inputs (the first span's history) and the shape of every step
     (bloombee.client.history). When a server fails (its stream breaks, a push to it fails, or a step outlives its
-    deadline), its spans are repaired (bloombee.client.failover) and the step is retried. With verify_probability > 0, each span's
-    outputs are also checked against other servers (bloombee.client.verification): at its first step, then at
-    random steps; a span that loses a check is re-routed with every span after it, and the step retried.
+    deadline), its spans are repaired (bloombee.client.failover) and the step is retried. With verify_probability > 0,
+    each span's outputs are also checked against other servers (bloombee.client.verification): at its first step,
+    then at random steps; a span that loses a check is re-routed with every span after it, and the step retried.
     """
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
@@ -264,13 +269,7 @@ class InferenceSession(ChainRepair):
     # -- tree steps (speculative decoding) ----------------------------------------------------------
 
     def supports_tree_steps(self) -> bool:
-        """Whether every server of the chain announces tree steps."""
-        return all(Feature.TREE_STEPS in stream.span.record.features for stream in self.streams)
-
-    def _trees_exact(self) -> bool:
-        """Whether every server of the chain computes a tree's nodes as the same tokens decoded one at a time: then a
-        replay repeats a round's accepted tokens one at a time, to rebuild the same bits."""
-        return all(Feature.EXACT_TREES in stream.span.record.features for stream in self.streams)
+        return announced_by_all(self.streams, Feature.TREE_STEPS)
 
     def tree_step(self, hidden: torch.Tensor, trees: PackedTrees, prune_tau: float | None = None
                   ) -> tuple[torch.Tensor, PackedTrees]:
@@ -283,7 +282,8 @@ class InferenceSession(ChainRepair):
         longest. The servers compact their caches when the next step arrives. Returns the new position."""
         start, width = self._tree
         keep = [ids.to(torch.long) for ids in accepted]
-        advance = self.history.commit_tree(start, width, keep, self._trees_exact())
+        # servers computing a tree's nodes as the same tokens decoded one at a time: replays repeat them one at a time
+        advance = self.history.commit_tree(start, width, keep, announced_by_all(self.streams, Feature.EXACT_TREES))
         self._compaction = (start, keep)
         self.position = start + advance
         return self.position
@@ -389,7 +389,7 @@ class InferenceSession(ChainRepair):
 
     def micro_batches_for(self, chain: list[SpanStream], num_tokens: int, context: int) -> int:
         """How many micro-batches a step of `num_tokens` tokens per row (over `context` cached ones) goes in."""
-        if self.batch_size == 1 or not all(Feature.MICRO_BATCHES in stream.span.record.features for stream in chain):
+        if self.batch_size == 1 or not announced_by_all(chain, Feature.MICRO_BATCHES):
             return 1
         wanted = self.settings.micro_batches
         if wanted == "auto":
