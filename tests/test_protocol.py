@@ -156,11 +156,13 @@ async def codec_in_this_thread(num_bytes, fn, *args):
 
 @pytest.mark.parametrize("error, kind", [(ValueError("a bug in the compute"), ErrorKind.INTERNAL),
                                          (InvalidStep("a step that does not fit"), ErrorKind.INVALID)])
-def test_a_step_whose_compute_raises_is_answered_by_who_is_at_fault(error, kind):
+@pytest.mark.parametrize("predicted_s", [0.0, 1.0], ids=["on the event loop", "in the compute thread"])
+def test_a_step_whose_compute_raises_is_answered_by_who_is_at_fault(error, kind, predicted_s):
     session = Session("s", 0, 1, 1, 8, [], torch.zeros(1, 8, dtype=torch.bool), torch.zeros(1, 8, 4))
     metrics = ServerMetrics(SessionRegistry(MemoryBudget(1 << 20, 1 << 20)))
     backend = FailingBackend(error)
-    batcher = StepBatcher(backend, in_this_thread, BatchLimits(max_rows=8, max_tokens=64, wait_s=0.0))
+    batcher = StepBatcher(backend, in_this_thread, BatchLimits(max_rows=8, max_tokens=64, wait_s=0.0),
+                          lambda vectors, blocks: predicted_s)
     context = PipelineContext(backend, batcher, "peer", 5.0, 1 << 20, in_this_thread, codec_in_this_thread,
                               None, None, None, None, metrics)
 

@@ -157,12 +157,19 @@ class SpanFigures:
         return hop_latency_s + transfer + self.blocks * self.forward_seconds(vectors)
 
     def forward_seconds(self, vectors: int) -> float:
-        """One block's forward holding a step of `vectors` vectors: a batch-1 step plus each further vector, those
-        of the other sessions it is batched with included; without a per-vector figure, a batch-1 step per vector."""
-        single = 1.0 / max(self.block_steps_per_s, 1e-9)
-        if self.row_seconds is None:
-            return vectors * single
-        return single + self.row_seconds * (vectors - 1 + self.busy_vectors)
+        """One block's forward holding a step of `vectors` vectors beside the server's usual load."""
+        return block_forward_seconds(self.block_steps_per_s, self.row_seconds, vectors, self.busy_vectors)
+
+
+def block_forward_seconds(block_steps_per_s: float, row_seconds: float | None, vectors: float,
+                          busy_vectors: float = 0.0) -> float:
+    """One block's forward holding a step of `vectors` vectors: a batch-1 step plus each further vector, those of the
+    `busy_vectors` other sessions' it is batched with included; without a per-vector figure, a batch-1 step per
+    vector."""
+    single = 1.0 / max(block_steps_per_s, 1e-9)
+    if row_seconds is None:
+        return vectors * single
+    return single + row_seconds * (vectors - 1 + busy_vectors)
 
 
 def announced_step_seconds(spans: Sequence[SpanFigures], vectors: int, hop_latency_s: float) -> float:

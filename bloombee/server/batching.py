@@ -5,6 +5,12 @@ steps that arrive wait; the next forward takes the oldest waiting step and, in a
 the same blocks that keeps the forward within --max-batch-rows and --max-batch-tokens. A session has at most one
 step waiting (its pipeline computes its steps in order), so sessions take turns; the oldest step always goes next,
 so none starves, and a long prompt arrives as chunks, so a decode step waits behind one chunk at most.
+
+A forward the model of the chain predicts to be short runs on the event loop itself: torch hands the interpreter lock
+back and forth at every operation, and a compute thread sharing it with a busy event loop computes a small model's
+forward up to twice as slowly as the loop alone does (benchmarks/README.md). A longer one runs in the compute thread,
+so that the loop keeps serving meanwhile. Before it takes a forward's steps, the batcher lets the loop turn until
+the steps the server has already received have reached it, so that they share the forward.
 """
 
 import asyncio
@@ -17,6 +23,9 @@ from typing import Any
 from bloombee.server.backend import BlockBackend, PreparedStep
 
 logger = logging.getLogger(__name__)
+
+SETTLE_TURNS = 16  # event loop turns a received step surely takes to reach the batcher
+INLINE_FORWARD_S = 0.02  # predicted seconds up to which a forward runs on the event loop (stalling it that long)
 
 
 @dataclass(frozen=True)
@@ -44,16 +53,19 @@ class _Waiting:
     block_range: tuple[int, int]
     rows: int
     tokens: int
-    prepare: Callable[[], PreparedStep]  # in the compute thread, just before the forward
+    prepare: Callable[[], PreparedStep]  # called just before the forward, where it runs
     done: asyncio.Future
 
 
 class StepBatcher:
-    """Gathers sessions' steps into forwards of `backend`, run by `run_compute` (the server's compute thread)."""
+    """Gathers sessions' steps into forwards of `backend`, run on the event loop or by `run_compute` (the server's
+    compute thread)."""
 
     def __init__(self, backend: BlockBackend, run_compute: Callable[..., Awaitable], limits: BatchLimits,
+                 predict_seconds: Callable[[int, int], float],
                  on_forward: Callable[[ForwardTiming], None] = lambda timing: None):
         self.backend, self.run_compute, self.limits, self.on_forward = backend, run_compute, limits, on_forward
+        self.predict_seconds = predict_seconds  # (vectors, blocks) -> the model of the chain's seconds of a forward
         self._waiting: list[_Waiting] = []
         self.forwards = self.steps = 0  # forwards run and the steps they computed
         self.forward_seconds = 0.0  # their wall time in all
@@ -63,7 +75,7 @@ class StepBatcher:
 
     async def compute(self, block_range: tuple[int, int], rows: int, tokens: int,
                       prepare: Callable[[], PreparedStep]) -> tuple[Any, ForwardTiming]:
-        """The result of the step `prepare()` makes (called in the compute thread) and the forward it went through;
+        """The result of the step `prepare()` makes (called just before its forward) and the forward it went through;
         raises what preparing or finishing the step raised."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
@@ -96,13 +108,14 @@ class StepBatcher:
             while not self._waiting:
                 self._arrived.clear()
                 await self._arrived.wait()
+            await self._settle()
             await self._gather()
             batch = self._take()
             if not batch:
                 continue
             self._last_steps = len(batch)
             try:
-                outcomes, timing = await self.run_compute(self._forward, [waiting.prepare for waiting in batch])
+                outcomes, timing = await self._run(batch)
             except Exception as error:  # the forward itself failed: every step in it gets the error
                 outcomes, timing = [error] * len(batch), None
             for waiting, outcome in zip(batch, outcomes):
@@ -112,6 +125,23 @@ class StepBatcher:
                     waiting.done.set_exception(outcome)
                 else:
                     waiting.done.set_result((outcome, timing))
+
+    async def _run(self, batch: list[_Waiting]) -> tuple[list, ForwardTiming]:
+        """`_forward` of `batch`: on the event loop if it is predicted short, in the compute thread otherwise."""
+        prepares = [waiting.prepare for waiting in batch]
+        first, last = batch[0].block_range
+        if self.predict_seconds(sum(waiting.tokens for waiting in batch), last - first) <= INLINE_FORWARD_S:
+            return self._forward(prepares)
+        return await self.run_compute(self._forward, prepares)
+
+    async def _settle(self) -> None:
+        """Let steps the server has already received reach the batcher (each passes a few queues on the way): turns
+        of the event loop until SETTLE_TURNS of them bring no new one or the waiting steps fill a forward."""
+        count = -1
+        while count != len(self._waiting) and not self._full():
+            count = len(self._waiting)
+            for _ in range(SETTLE_TURNS):
+                await asyncio.sleep(0)
 
     async def _gather(self) -> None:
         """Wait up to wait_s for as many steps as the last forward computed (sessions in step with each other),
@@ -148,7 +178,7 @@ class StepBatcher:
         return batch
 
     def _forward(self, prepares: list[Callable[[], PreparedStep]]) -> tuple[list, ForwardTiming]:
-        """In the compute thread: prepare each step (a step that fails to is refused alone), one forward for the
+        """Prepare each step (a step that fails to is refused alone), one forward for the
         rest, each step's result or error, and the forward's timing."""
         began_at, began, began_cpu = time.time(), time.perf_counter(), time.thread_time()
         outcomes: list = []

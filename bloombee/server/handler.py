@@ -67,7 +67,7 @@ class BlockServicer:
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
         limits = BatchLimits(settings.max_batch_rows, settings.max_batch_tokens, settings.batch_wait_ms / 1e3)
-        self.batcher = StepBatcher(backend, self.run_compute, limits, self._forward_done)
+        self.batcher = StepBatcher(backend, self.run_compute, limits, self._predicted_forward_seconds, self._forward_done)
         self.codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-codec")
         self.push_stats = PushStats()
         self.p2p: P2P | None = None
@@ -76,6 +76,10 @@ class BlockServicer:
         # the most tensor bytes one request may carry: a [max batch, max length] window of float64 hidden states,
         # plus its token mask and rope positions
         self.max_request_bytes = settings.max_batch_size * settings.max_length * 8 * (backend.hidden_size + 2)
+
+    def _predicted_forward_seconds(self, vectors: int, blocks: int) -> float:
+        """By the current meter's figures (a server that moves its blocks gets a new meter)."""
+        return self.meter.forward_seconds(vectors, blocks)
 
     def _forward_done(self, timing: ForwardTiming) -> None:
         """A forward of sessions' steps ran: it feeds the announced throughput and the metrics."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from bloombee.models.core.invariance import chunk_linear_rows, row_floor, unchunk_linear_rows
+from bloombee.planner.chain import block_forward_seconds
 from bloombee.planner.learning import Recent
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
@@ -111,6 +112,11 @@ class ThroughputMeter:
             if self._served_rows.count >= SERVED_BEFORE_TRUSTED:
                 return self._served_rows.value
             return self.measured_row_seconds
+
+    def forward_seconds(self, vectors: int, blocks: int) -> float:
+        """What the model of the chain predicts, from these figures, for a forward of `vectors` vectors through
+        `blocks` blocks."""
+        return blocks * block_forward_seconds(self.value, self.row_seconds, vectors)
 
     @property
     def busy_vectors(self) -> float:
