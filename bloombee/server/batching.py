@@ -25,7 +25,7 @@ from bloombee.server.backend import BlockBackend, PreparedStep
 logger = logging.getLogger(__name__)
 
 SETTLE_TURNS = 16  # event loop turns a received step surely takes to reach the batcher
-INLINE_FORWARD_S = 0.02  # predicted seconds up to which a forward runs on the event loop (stalling it that long)
+INLINE_FORWARD_S = 0.1  # predicted seconds up to which a forward runs on the event loop (stalling it that long)
 
 
 @dataclass(frozen=True)
