@@ -171,7 +171,7 @@ def test_alias_table():
     assert ALIASES["llama-3-8b"] == "meta-llama/Meta-Llama-3-8B"
     assert ALIASES["mixtral-8x7b"] == "mistralai/Mixtral-8x7B-v0.1"
     assert ALIASES["falcon-40b"] == "tiiuae/falcon-40b"
-    for alias in ("llama-13b", "llama-65b", "mistral-7b", "falcon-7b", "qwen3-8b"):
+    for alias in ("llama-13b", "llama-65b", "mistral-7b", "falcon-7b", "qwen2.5-72b", "qwen3-8b", "gemma-7b"):
         assert "/" in ALIASES[alias]
 
 

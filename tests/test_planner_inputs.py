@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from bloombee.planner import PlanInputError, PlanInputs
-from bloombee.planner.model_config import llama_style_block_params, meta_block_params, model_section_from_config
+from bloombee.planner.model_config import ModelConfigError, block_counts, model_section_from_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plans" / "e6.yaml"
 
@@ -105,7 +105,7 @@ def _layer_params(config) -> int:
 
 
 def _configs():
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config
+    from transformers import FalconConfig, GemmaConfig, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
     return {
@@ -114,26 +114,23 @@ def _configs():
         "mixtral": MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
         "qwen2": Qwen2Config(**small, num_key_value_heads=2),
         "qwen3": Qwen3Config(**small, num_key_value_heads=2, head_dim=8),
+        "gemma": GemmaConfig(**small, num_key_value_heads=2, head_dim=16),
+        "falcon-40b": FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                                   new_decoder_architecture=True, num_kv_heads=2),
     }
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-bias", "mixtral", "qwen2", "qwen3"])
-def test_block_params_from_config_match_the_real_layer(name):
+@pytest.mark.parametrize("name", list(_configs()))
+def test_a_blocks_parameters_are_counted_on_the_families_own_block_as_transformers_has_them(name):
     config = _configs()[name]
-    assert llama_style_block_params(config) == _layer_params(config)
+    assert block_counts(config)[0] == _layer_params(config)
 
 
-def test_other_families_are_counted_on_the_meta_device():
-    from transformers import FalconConfig, GPT2Config
+def test_a_model_type_bloombee_does_not_serve_is_named():
+    from transformers import GPT2Config
 
-    gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
-    assert meta_block_params(gpt2) == sum(
-        p.numel() for p in __import__("transformers").GPT2LMHeadModel(gpt2).transformer.h[0].parameters()
-    )
-    falcon = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, new_decoder_architecture=True, num_kv_heads=2)
-    section = model_section_from_config(falcon, name="falcon")
-    assert section["params_per_block"] == _layer_params(falcon)
-    assert section["num_key_value_heads"] == 2 and section["num_blocks"] == 2
+    with pytest.raises(ModelConfigError, match="model type 'gpt2' is not supported.*params_per_block"):
+        model_section_from_config(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128), name="gpt2")
 
 
 def test_model_section_from_config():

@@ -21,6 +21,13 @@ ALIASES: dict[str, str] = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-14b": "Qwen/Qwen3-14B",
     "qwen3-32b": "Qwen/Qwen3-32B",
+    "qwen2-7b": "Qwen/Qwen2-7B",
+    "qwen2-72b": "Qwen/Qwen2-72B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+    "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
+    "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
+    "gemma-2b": "google/gemma-2b",
+    "gemma-7b": "google/gemma-7b",
     "bloombee-tiny": PACKAGE_ASSET + "bloombee-tiny",
     "bloombee-tiny-draft": PACKAGE_ASSET + "bloombee-tiny-draft",
 }

@@ -56,6 +56,7 @@ class Features(_Strict):
     mixture_of_experts: bool  # must agree with classes.mlp (MoEMLP)
     parallel_attention: bool  # the block is core.block.ParallelDecoderBlock
     sliding_window: bool  # must agree with config_fields (sliding_window)
+    scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size) (gemma)
 
 
 class Weights(_Strict):

@@ -84,7 +84,7 @@ class _AttentionBase(nn.Module):
 
 
 class Attention(_AttentionBase):
-    """Separate q/k/v projections; grouped-query heads; optional biases."""
+    """Separate q/k/v projections; grouped-query heads; optional biases (the output projection's apart)."""
 
     def __init__(self, cfg: BlockConfig):
         super().__init__(cfg)
@@ -92,7 +92,7 @@ class Attention(_AttentionBase):
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.output_bias)
 
     def project(self, x):
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
@@ -128,7 +128,7 @@ class FusedQKVAttention(_AttentionBase):
         self.layout = cfg.qkv_layout
         out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias)
 
     def project(self, x):
         n = x.shape[0]

@@ -21,6 +21,7 @@ class BlockConfig:
     head_dim: int | None = None
     hidden_act: str = "silu"
     attention_bias: bool = False
+    output_bias: bool | None = None  # the attention's output projection (None: as attention_bias; qwen2: none)
     mlp_bias: bool = False
     sliding_window: int | None = None
     num_experts: int = 0
@@ -38,6 +39,8 @@ class BlockConfig:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_heads
+        if self.output_bias is None:
+            self.output_bias = self.attention_bias
 
 
 BLOCK_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(BlockConfig))

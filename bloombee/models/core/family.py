@@ -39,6 +39,7 @@ class Family:
     block_renames: dict[str, str]  # checkpoint prefix (within a block) -> module prefix
     head_renames: dict[str, str]  # checkpoint prefix -> head module prefix
     dht_prefix_rule: str  # e.g. "{name}"
+    scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size)
     _block_patterns: list = field(init=False, repr=False)
     _head_patterns: list = field(init=False, repr=False)
 

@@ -1,4 +1,5 @@
-"""Normalisation layers; both take ``(dim, eps)``: RMSNorm has a weight only, LayerNorm a weight and a bias."""
+"""Normalisation layers; all take ``(dim, eps)``: RMSNorm and OffsetRMSNorm have a weight only, LayerNorm a weight
+and a bias."""
 
 from __future__ import annotations
 
@@ -21,6 +22,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + weight), in float32 before casting back (gemma); its weight starts at zero."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.to(torch.float32)
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm with a weight and a bias (falcon, starcoder2)."""
 
@@ -28,4 +43,4 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps)
 
 
-NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
+NORMS = {"RMSNorm": RMSNorm, "OffsetRMSNorm": OffsetRMSNorm, "LayerNorm": LayerNorm}

@@ -135,7 +135,10 @@ class ClientHead(nn.Module):
         return self.embed_tokens.weight.device
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.family.scaled_embeddings:  # by sqrt(hidden_size) rounded to float32, then to the embeddings' dtype
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

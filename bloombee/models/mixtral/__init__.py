@@ -11,4 +11,5 @@ from .model import BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES
 FAMILY = Family(name='mixtral', model_types=('mixtral',), config_class='MixtralConfig',
                 reference_model_class='MixtralForCausalLM', block_class=MixtralBlock, rotary=True, config_fields=FIELDS,
                 config_defaults=DEFAULTS, config_adapter='standard', block_prefix=BLOCK_PREFIX,
-                block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}')
+                block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}',
+                scaled_embeddings=False)

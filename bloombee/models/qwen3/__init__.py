@@ -11,4 +11,5 @@ from .model import BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES
 FAMILY = Family(name='qwen3', model_types=('qwen3',), config_class='Qwen3Config',
                 reference_model_class='Qwen3ForCausalLM', block_class=Qwen3Block, rotary=True, config_fields=FIELDS,
                 config_defaults=DEFAULTS, config_adapter='standard', block_prefix=BLOCK_PREFIX,
-                block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}')
+                block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}',
+                scaled_embeddings=False)

@@ -1,0 +1,74 @@
+"""Each family's real checkpoints load one to one: the tensor names and shapes transformers saves a real model's
+checkpoint under (its config, 2 blocks, built on the meta device) are exactly what the server's blocks and the
+client's head read."""
+
+import pytest
+import torch
+import transformers
+from transformers.core_model_loading import revert_weight_conversion
+
+from bloombee.models import family_for_config
+from bloombee.models.core.stack import BlockStack, ClientHead
+
+# the shapes that matter of real hub models' config.json (layers cut to 2 below)
+REAL_CONFIGS = {
+    "meta-llama/Meta-Llama-3-70B": ("LlamaConfig", dict(
+        hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "mistralai/Mistral-7B-v0.1": ("MistralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        sliding_window=4096, tie_word_embeddings=False)),
+    "mistralai/Mixtral-8x7B-v0.1": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "Qwen/Qwen3-32B": ("Qwen3Config", dict(
+        hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        vocab_size=151936, tie_word_embeddings=False)),
+    "tiiuae/falcon-40b": ("FalconConfig", dict(
+        hidden_size=8192, num_attention_heads=128, num_kv_heads=8, new_decoder_architecture=True, parallel_attn=True,
+        bias=False, alibi=False, vocab_size=65024)),
+    "tiiuae/falcon-7b": ("FalconConfig", dict(
+        hidden_size=4544, num_attention_heads=71, multi_query=True, new_decoder_architecture=False,
+        parallel_attn=True, bias=False, alibi=False, vocab_size=65024)),
+    "Qwen/Qwen2.5-72B-Instruct": ("Qwen2Config", dict(
+        hidden_size=8192, intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072,
+        max_window_layers=70, tie_word_embeddings=False)),
+    "Qwen/Qwen2.5-0.5B": ("Qwen2Config", dict(
+        hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "google/gemma-7b": ("GemmaConfig", dict(
+        hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
+        vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),
+    "google/gemma-2b": ("GemmaConfig", dict(
+        hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+        vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),
+}
+
+
+def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+@pytest.mark.parametrize("hub_id", REAL_CONFIGS)
+def test_a_real_checkpoints_tensors_are_what_the_servers_and_the_client_read(hub_id):
+    config_class, values = REAL_CONFIGS[hub_id]
+    config = getattr(transformers, config_class)(**values, num_hidden_layers=2)
+    family = family_for_config(config)
+    with torch.device("meta"):
+        reference = getattr(transformers, family.reference_model_class)(config)
+        checkpoint = shapes(revert_weight_conversion(reference, reference.state_dict()))  # as saved (e.g. experts)
+        blocks = shapes(BlockStack(family, config, 0, 2).state_dict())
+        head = shapes(ClientHead(family, config).state_dict())
+    read_by_blocks, read_by_head = {}, {}
+    for name, shape in checkpoint.items():
+        targets = [f"blocks.{index}.{local}" for index in range(2)
+                   if (local := family.block_tensor_name(name, index)) is not None]
+        local_head = family.head_tensor_name(name)
+        assert len(targets) + (local_head is not None) == 1, f"{name} is read by {targets} and the head {local_head}"
+        if targets:
+            read_by_blocks[targets[0]] = shape
+        else:
+            read_by_head[local_head] = shape
+    assert read_by_blocks == blocks
+    assert read_by_head == head
