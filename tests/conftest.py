@@ -29,6 +29,9 @@ TINY_VARIANTS = {
     "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         intermediate_size=96, num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=2)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, head_dim=32)),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, num_key_value_heads=2,
+        head_dim=16)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(

@@ -37,6 +37,14 @@ REAL_CONFIGS = {
     "Qwen/Qwen2.5-0.5B": ("Qwen2Config", dict(
         hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
         rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "Qwen/Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        vocab_size=151936, tie_word_embeddings=False)),
+    "Qwen/Qwen3-235B-A22B": ("Qwen3MoeConfig", dict(
+        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        vocab_size=151936, tie_word_embeddings=False)),
     "google/gemma-7b": ("GemmaConfig", dict(
         hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),

@@ -94,3 +94,13 @@ def test_norms_take_dim_and_eps_rmsnorm_has_no_bias():
     x = torch.randn(2, 3, 8)
     assert torch.allclose(rms(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.allclose(layer(x), torch.nn.functional.layer_norm(x, (8,), eps=1e-5))
+
+
+def test_a_qwen3_moe_config_with_dense_layers_is_refused_by_name():
+    from transformers import Qwen3MoeConfig
+
+    from bloombee.models import family_for_config
+
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match=r"mlp_only_layers \[1\].*every layer must be a mixture of experts"):
+        family_for_config(config).block_config(config, 0)

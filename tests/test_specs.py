@@ -38,7 +38,7 @@ def test_committed_specs_are_valid():
     (lambda d: d["classes"].update(mlp="SwiGLU"), r"MLP class 'SwiGLU' is not allowed; allowed: GatedMLP, GeluMLP"),
     (lambda d: d["classes"].update(norm="BatchNorm"), r"norm class 'BatchNorm' is not allowed; allowed: LayerNorm"),
     (lambda d: d.update(config_class="NoSuchConfig"), r"field 'config_class': 'NoSuchConfig' is not a class"),
-    (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: falcon, standard"),
+    (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: falcon, sparse_moe, standard"),
     (lambda d: d["config_fields"].update(rope_theta="rope_theta"),
      r"field 'config_fields': block config field 'rope_theta' is not allowed; allowed: "),
     (lambda d: d["weights"].update(block_prefix="model.layers."), r"'weights.block_prefix'.*must contain"),

@@ -12,6 +12,7 @@ from swarm_support import NUM_BLOCKS, KillServerAt, client, reference, serving
 FAMILIES = {  # tiny variant -> the servers' extra flags
     "qwen2-sliding": (),
     "gemma": ("--offload", "0.5"),
+    "qwen3-moe": (),
 }
 SERVERS = {"a": "0:3", "b": "3:6", "spare": "3:6", "c": "6:8"}
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35]])

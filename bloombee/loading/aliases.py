@@ -21,6 +21,8 @@ ALIASES: dict[str, str] = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-14b": "Qwen/Qwen3-14B",
     "qwen3-32b": "Qwen/Qwen3-32B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
     "qwen2-7b": "Qwen/Qwen2-7B",
     "qwen2-72b": "Qwen/Qwen2-72B",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",

@@ -26,6 +26,7 @@ class BlockConfig:
     sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
     qkv_layout: str = "separate"  # separate | interleaved | multi_query | grouped (fused checkpoints)
     parallel_attention: bool = False
     separate_mlp_norm: bool = True  # parallel blocks: a second norm for the MLP input
@@ -75,7 +76,17 @@ def falcon_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig
     return cfg
 
 
-CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter}
+def sparse_moe_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
+    """A mixture of experts on every layer (qwen3_moe): configs that give some layers a dense MLP are refused."""
+    dense = getattr(hf_config, "mlp_only_layers", None) or []
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if dense or step != 1:
+        raise ValueError(f"{hf_config.model_type} configs with dense-MLP layers (mlp_only_layers {dense}, "
+                         f"decoder_sparse_step {step}) are not supported: every layer must be a mixture of experts.")
+    return standard_adapter(hf_config, cfg, layer_index)
+
+
+CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter, "sparse_moe": sparse_moe_adapter}
 
 
 def read_config_field(hf_config, attribute: str, field: str, defaults: dict, family: str):

@@ -34,11 +34,12 @@ class GeluMLP(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """Top-k routed experts: softmax over router logits, keep the top k, renormalise, sum weighted experts."""
+    """Top-k routed experts: softmax over router logits, keep the top k, renormalise them (with norm_topk_prob), sum
+    the weighted experts."""
 
     def __init__(self, cfg: BlockConfig):
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(cfg) for _ in range(cfg.num_experts))
 
@@ -47,7 +48,9 @@ class MoEMLP(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             tokens, slot = torch.where(chosen == e)
