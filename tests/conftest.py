@@ -32,6 +32,11 @@ TINY_VARIANTS = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, num_key_value_heads=2,
         head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, sliding_window=8)),
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 16 for i in range(8)],
+                             long_factor=[2.0 + i / 4 for i in range(8)]))),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(

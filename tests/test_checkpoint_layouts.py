@@ -45,6 +45,14 @@ REAL_CONFIGS = {
         hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_attention_heads=64,
         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
         vocab_size=151936, tie_word_embeddings=False)),
+    "microsoft/Phi-3-mini-4k-instruct": ("Phi3Config", dict(
+        hidden_size=3072, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+        sliding_window=2047, tie_word_embeddings=False)),
+    "microsoft/Phi-3-medium-128k-instruct": ("Phi3Config", dict(
+        hidden_size=5120, intermediate_size=17920, num_attention_heads=40, num_key_value_heads=10, vocab_size=32064,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 64,
+                             long_factor=[1.0 + i / 8 for i in range(64)]))),
     "google/gemma-7b": ("GemmaConfig", dict(
         hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),

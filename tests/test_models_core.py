@@ -79,9 +79,9 @@ def test_unsupported_rope_type():
     from bloombee.models.core import RotaryEmbedding
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4,
-                         rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8,
-                                              long_factor=[1.0] * 8, original_max_position_embeddings=16))
-    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+                         rope_parameters=dict(rope_type="default", rope_theta=1e4))
+    config.rope_parameters["rope_type"] = "proportional"
+    with pytest.raises(ValueError, match="rope type 'proportional' is not supported"):
         RotaryEmbedding(config, 16)
 
 

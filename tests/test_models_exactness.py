@@ -186,3 +186,18 @@ def test_micro_batches_write_their_own_cache_rows(tiny_checkpoint):
     assert torch.allclose(torch.cat(parts), full, atol=1e-6)
     for a, b in zip(full_caches, split_caches):
         assert torch.allclose(a.k, b.k, atol=1e-6) and torch.allclose(a.v, b.v, atol=1e-6)
+
+
+def test_longrope_rotates_a_step_past_the_original_context_with_the_long_factors(tiny_checkpoint):
+    """A step whose longest position is past original_max_position_embeddings uses the long factors, as transformers'
+    forward of the same tokens does (the other phi3-longrope tests stay within it: the short factors)."""
+    folder, model = tiny_checkpoint("phi3-longrope", LAYERS, original_max_position_embeddings=8)
+    stacks, head = load_servers(folder)
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(12)
+    rotary = stacks[0].rotary
+    assert rotary._inv_freq(positions) is rotary.long_inv_freq
+    assert not torch.equal(rotary.long_inv_freq, rotary.inv_freq)
+    caches = [stack.new_caches(1, 16) for stack in stacks]
+    last = run_chain(stacks, head.embed(ids), positions[None], caches, positions, masks.causal_mask(positions, 12))[-1]
+    assert (head.logits(last) - model(ids).logits).abs().max() <= 1e-4

@@ -35,7 +35,7 @@ def test_committed_specs_are_valid():
     (lambda d: d["classes"].update(attention="FlashAttention"),
      r"field 'classes.attention': attention class 'FlashAttention' is not allowed; allowed: Attention, "
      r"FusedQKVAttention"),
-    (lambda d: d["classes"].update(mlp="SwiGLU"), r"MLP class 'SwiGLU' is not allowed; allowed: GatedMLP, GeluMLP"),
+    (lambda d: d["classes"].update(mlp="SwiGLU"), r"MLP class 'SwiGLU' is not allowed; allowed: FusedGatedMLP, GatedMLP, GeluMLP"),
     (lambda d: d["classes"].update(norm="BatchNorm"), r"norm class 'BatchNorm' is not allowed; allowed: LayerNorm"),
     (lambda d: d.update(config_class="NoSuchConfig"), r"field 'config_class': 'NoSuchConfig' is not a class"),
     (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: falcon, sparse_moe, standard"),

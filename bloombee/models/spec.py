@@ -21,7 +21,7 @@ CLASS_CHOICES = {"attention": (ATTENTIONS, "attention class"), "mlp": (MLPS, "ML
                  "norm": (NORMS, "norm class")}
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_heads", "intermediate_size", "norm_eps")
 # block-config fields a spec may not read from the config: its config adapter derives them
-DERIVED_FIELDS = ("qkv_layout", "separate_mlp_norm")
+DERIVED_FIELDS = ("separate_mlp_norm",)
 
 
 class SpecError(ValueError):

@@ -119,9 +119,10 @@ class QKNormAttention(Attention):
 
 
 class FusedQKVAttention(_AttentionBase):
-    """One fused qkv projection (falcon). Layouts of its output features, per token:
+    """One fused qkv projection (falcon, phi3). Layouts of its output features, per token:
     interleaved [h, 3, d]; multi_query [h + 2, d] (one K and one V head);
-    grouped [kv, h/kv + 2, d] (each KV group: its queries, then K, then V)."""
+    grouped [kv, h/kv + 2, d] (each KV group: its queries, then K, then V);
+    concatenated [h + 2 kv, d] (all query heads, then the K heads, then the V heads)."""
 
     def __init__(self, cfg: BlockConfig):
         super().__init__(cfg)
@@ -144,6 +145,9 @@ class FusedQKVAttention(_AttentionBase):
             qkv = qkv.view(n, kv, h // kv + 2, d)
             q = qkv[:, :, :-2].reshape(n, h, d)
             k, v = qkv[:, :, -2], qkv[:, :, -1]
+        elif self.layout == "concatenated":
+            qkv = qkv.view(n, h + 2 * kv, d)
+            q, k, v = qkv[:, :h], qkv[:, h:h + kv], qkv[:, h + kv:]
         else:
             raise ValueError(f"unknown fused qkv layout {self.layout!r}")
         return q, k, v

@@ -27,7 +27,7 @@ class BlockConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
-    qkv_layout: str = "separate"  # separate | interleaved | multi_query | grouped (fused checkpoints)
+    qkv_layout: str = "separate"  # separate | interleaved | multi_query | grouped | concatenated (fused checkpoints)
     parallel_attention: bool = False
     separate_mlp_norm: bool = True  # parallel blocks: a second norm for the MLP input
     # falcon-style switches read from the config by the "falcon" adapter

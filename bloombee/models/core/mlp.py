@@ -1,4 +1,5 @@
-"""Feed-forward layers: gated (SwiGLU), plain GELU (falcon) and mixture of experts (mixtral)."""
+"""Feed-forward layers: gated (SwiGLU; its gate and up fused in phi3), plain GELU (falcon) and mixture of experts
+(mixtral, qwen3_moe)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """GatedMLP whose gate and up projections are one matrix, gate rows first (phi3's gate_up_proj)."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class GeluMLP(nn.Module):
@@ -59,4 +74,4 @@ class MoEMLP(nn.Module):
         return out.reshape(shape)
 
 
-MLPS = {"GatedMLP": GatedMLP, "GeluMLP": GeluMLP, "MoEMLP": MoEMLP}
+MLPS = {"GatedMLP": GatedMLP, "FusedGatedMLP": FusedGatedMLP, "GeluMLP": GeluMLP, "MoEMLP": MoEMLP}

@@ -1,7 +1,8 @@
 """Rotary position embeddings, including the rope scaling types found in transformers configs.
 
 Inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` for scaled types (llama3, linear,
-dynamic, yarn), so they match the reference exactly; the default type is computed here.
+dynamic, yarn, longrope), so they match the reference exactly; the default type is computed here. Dynamic and
+longrope frequencies depend, as in transformers, on the longest position of the call: here of one session's step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
 def rope_parameters(config) -> dict:
@@ -49,8 +50,15 @@ class RotaryEmbedding(nn.Module):
 
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if self.rope_type == "longrope":  # short factors up to the original context, long ones past it
+            self.original_max_length = params.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None) or self.original_max_length
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=self.original_max_length + 1)
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def _inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.rope_type == "longrope":
+            return self.long_inv_freq if int(positions.max()) + 1 > self.original_max_length else self.inv_freq
         if self.rope_type != "dynamic":
             return self.inv_freq
         # dynamic NTK: frequencies depend on the longest position seen in this call
