@@ -37,6 +37,9 @@ TINY_VARIANTS = {
         intermediate_size=96, num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 16 for i in range(8)],
                              long_factor=[2.0 + i / 4 for i in range(8)]))),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(

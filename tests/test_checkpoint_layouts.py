@@ -53,6 +53,12 @@ REAL_CONFIGS = {
         max_position_embeddings=131072, original_max_position_embeddings=4096, tie_word_embeddings=False,
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 64,
                              long_factor=[1.0 + i / 8 for i in range(64)]))),
+    "google/gemma-2-9b": ("Gemma2Config", dict(
+        hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True)),
+    "google/gemma-2-27b": ("Gemma2Config", dict(
+        hidden_size=4608, intermediate_size=36864, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+        vocab_size=256000, query_pre_attn_scalar=144, sliding_window=4096, tie_word_embeddings=True)),
     "google/gemma-7b": ("GemmaConfig", dict(
         hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),

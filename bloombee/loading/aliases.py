@@ -35,6 +35,9 @@ ALIASES: dict[str, str] = {
     "phi-3.5-mini": "microsoft/Phi-3.5-mini-instruct",
     "gemma-2b": "google/gemma-2b",
     "gemma-7b": "google/gemma-7b",
+    "gemma-2-2b": "google/gemma-2-2b",
+    "gemma-2-9b": "google/gemma-2-9b",
+    "gemma-2-27b": "google/gemma-2-27b",
     "bloombee-tiny": PACKAGE_ASSET + "bloombee-tiny",
     "bloombee-tiny-draft": PACKAGE_ASSET + "bloombee-tiny-draft",
 }

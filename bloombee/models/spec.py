@@ -14,7 +14,7 @@ from bloombee.models.core.config import BLOCK_CONFIG_FIELDS, CONFIG_ADAPTERS
 from bloombee.models.core.mlp import MLPS
 from bloombee.models.core.norms import NORMS
 
-BLOCK_MODULES = ("attn.", "attn_norm.", "mlp.", "mlp_norm.")
+BLOCK_MODULES = ("attn.", "attn_norm.", "mlp.", "mlp_norm.", "post_attn_norm.", "post_mlp_norm.")
 HEAD_MODULES = ("embed_tokens.", "norm.", "lm_head.")
 # classes.<field> -> (the core classes it may name, what the error calls them)
 CLASS_CHOICES = {"attention": (ATTENTIONS, "attention class"), "mlp": (MLPS, "MLP class"),
@@ -57,6 +57,7 @@ class Features(_Strict):
     parallel_attention: bool  # the block is core.block.ParallelDecoderBlock
     sliding_window: bool  # must agree with config_fields (sliding_window)
     scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size) (gemma)
+    sandwich_norms: bool = False  # the block is core.block.SandwichDecoderBlock (gemma2, gemma3)
 
 
 class Weights(_Strict):

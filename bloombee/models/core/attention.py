@@ -23,7 +23,8 @@ class _AttentionBase(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.sliding_window = cfg.sliding_window
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_softcap
         self.tree_nodes_alone = False  # batch-invariant mode: tree steps attend node by node (`attend_tree_nodes`)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,8 +66,20 @@ class _AttentionBase(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of q [b, h, T, d] over k, v [b, kv, S, d] (each KV head serving its group of query heads)."""
+        if self.softcap is not None:
+            return self._attend_softcapped(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+    def _attend_softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`attend` with the scores soft-capped before the mask (which scaled_dot_product_attention cannot do); the
+        softmax in float32."""
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def attend_tree_nodes(self, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,20 @@ class DecoderBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+class SandwichDecoderBlock(DecoderBlock):
+    """Pre- and post-norms around attention and MLP (gemma2, gemma3): h = x + post_attn_norm(attn(attn_norm(x)));
+    out = h + post_mlp_norm(mlp(mlp_norm(h)))."""
+
+    def __init__(self, cfg: BlockConfig, layer_index: int):
+        super().__init__(cfg, layer_index)
+        self.post_attn_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
+        self.post_mlp_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, segments, caches):
+        h = x + self.post_attn_norm(self.attn(self.attn_norm(x), cos, sin, segments, caches))
+        return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h)))
+
+
 class ParallelDecoderBlock(DecoderBlock):
     """``features.parallel_attention``: out = x + (mlp(mlp_norm(x) or attn_norm(x)) + attn(attn_norm(x)))."""
 

@@ -24,6 +24,8 @@ class BlockConfig:
     output_bias: bool | None = None  # the attention's output projection (None: as attention_bias; qwen2: none)
     mlp_bias: bool = False
     sliding_window: int | None = None
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (None: head_dim's)
+    attn_softcap: float | None = None  # scores pass through cap * tanh(scores / cap) before the mask (gemma2)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
