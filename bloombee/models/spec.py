@@ -57,7 +57,7 @@ class Features(_Strict):
     parallel_attention: bool  # the block is core.block.ParallelDecoderBlock
     sliding_window: bool  # must agree with config_fields (sliding_window)
     scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size) (gemma)
-    sandwich_norms: bool = False  # the block is core.block.SandwichDecoderBlock (gemma2, gemma3)
+    sandwich_norms: bool = False  # the block is core.block.SandwichDecoderBlock (gemma2)
 
 
 class Weights(_Strict):

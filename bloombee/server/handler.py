@@ -67,7 +67,8 @@ class BlockServicer:
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
         limits = BatchLimits(settings.max_batch_rows, settings.max_batch_tokens, settings.batch_wait_ms / 1e3)
-        self.batcher = StepBatcher(backend, self.run_compute, limits, self._predicted_forward_seconds, self._forward_done)
+        self.batcher = StepBatcher(backend, self.run_compute, limits, self._predicted_forward_seconds,
+                                   self._forward_done)
         self.codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-codec")
         self.push_stats = PushStats()
         self.p2p: P2P | None = None

@@ -39,7 +39,7 @@ class DecoderBlock(nn.Module):
 
 
 class SandwichDecoderBlock(DecoderBlock):
-    """Pre- and post-norms around attention and MLP (gemma2, gemma3): h = x + post_attn_norm(attn(attn_norm(x)));
+    """Pre- and post-norms around attention and MLP (gemma2): h = x + post_attn_norm(attn(attn_norm(x)));
     out = h + post_mlp_norm(mlp(mlp_norm(h)))."""
 
     def __init__(self, cfg: BlockConfig, layer_index: int):
