@@ -40,6 +40,11 @@ TINY_VARIANTS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
         attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        sliding_window_pattern=2,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(

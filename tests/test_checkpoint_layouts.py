@@ -59,6 +59,9 @@ REAL_CONFIGS = {
     "google/gemma-2-27b": ("Gemma2Config", dict(
         hidden_size=4608, intermediate_size=36864, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
         vocab_size=256000, query_pre_attn_scalar=144, sliding_window=4096, tie_word_embeddings=True)),
+    "google/gemma-3-1b-it": ("Gemma3TextConfig", dict(
+        hidden_size=1152, intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512, tie_word_embeddings=True)),
     "google/gemma-7b": ("GemmaConfig", dict(
         hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),

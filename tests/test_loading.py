@@ -114,7 +114,7 @@ def test_dtype_auto_follows_config(tiny_checkpoint, tmp_path):
     bf16 = tmp_path / "bf16"
     model.to(torch.bfloat16).save_pretrained(bf16)
     stack = load_block_stack(bf16, 0, 2, dtype="auto")
-    assert stack.dtype == torch.bfloat16 and stack.rotary.inv_freq.dtype == torch.float32
+    assert stack.dtype == torch.bfloat16 and stack.rotaries[None].inv_freq.dtype == torch.float32
     assert stack.new_caches(1, 4)[0].k.dtype == torch.bfloat16
     assert load_client_head(bf16, "auto").dtype == torch.bfloat16
     assert load_block_stack(folder, 0, 1, dtype=torch.float16).dtype == torch.float16

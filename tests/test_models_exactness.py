@@ -156,7 +156,7 @@ def test_new_spec_from_readme_is_exact(readme_family, tiny_checkpoint, monkeypat
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral", "qwen2-sliding", "qwen3", "mixtral", "falcon-7b",
-                                     "falcon-40b", "gemma"])
+                                     "falcon-40b", "gemma", "gemma3"])
 def test_left_padded_batch_matches_generate(variant, tiny_checkpoint):
     folder, model = tiny_checkpoint(variant, LAYERS)
     stacks, head = load_servers(folder)
@@ -195,7 +195,7 @@ def test_longrope_rotates_a_step_past_the_original_context_with_the_long_factors
     stacks, head = load_servers(folder)
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(12)
-    rotary = stacks[0].rotary
+    rotary = stacks[0].rotaries[None]
     assert rotary._inv_freq(positions) is rotary.long_inv_freq
     assert not torch.equal(rotary.long_inv_freq, rotary.inv_freq)
     caches = [stack.new_caches(1, 16) for stack in stacks]

@@ -105,8 +105,8 @@ def _layer_params(config) -> int:
 
 
 def _configs():
-    from transformers import (FalconConfig, Gemma2Config, GemmaConfig, LlamaConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
     return {
@@ -117,6 +117,7 @@ def _configs():
         "qwen3": Qwen3Config(**small, num_key_value_heads=2, head_dim=8),
         "gemma": GemmaConfig(**small, num_key_value_heads=2, head_dim=16),
         "gemma2": Gemma2Config(**small, num_key_value_heads=2, head_dim=16),
+        "gemma3": Gemma3TextConfig(**small, num_key_value_heads=2, head_dim=16),
         "phi3": Phi3Config(**small, num_key_value_heads=2, pad_token_id=0),
         "qwen3-moe": Qwen3MoeConfig(**small, num_key_value_heads=2, head_dim=8, moe_intermediate_size=32, num_experts=4,
                                     num_experts_per_tok=2),

@@ -15,10 +15,11 @@ FAMILIES = {  # tiny variant -> the servers' extra flags
     "qwen3-moe": (),
     "phi3": (),
     "gemma2": (),
+    "gemma3": (),
 }
 SERVERS = {"a": "0:3", "b": "3:6", "spare": "3:6", "c": "6:8"}
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35]])
-NEW_TOKENS = 24  # past the sliding windows of qwen2-sliding and gemma2 (6 slots) and phi3 (8)
+NEW_TOKENS = 24  # past the sliding windows of qwen2-sliding, gemma2 and gemma3 (6 slots) and phi3 (8)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -38,6 +38,7 @@ ALIASES: dict[str, str] = {
     "gemma-2-2b": "google/gemma-2-2b",
     "gemma-2-9b": "google/gemma-2-9b",
     "gemma-2-27b": "google/gemma-2-27b",
+    "gemma-3-1b": "google/gemma-3-1b-it",
     "bloombee-tiny": PACKAGE_ASSET + "bloombee-tiny",
     "bloombee-tiny-draft": PACKAGE_ASSET + "bloombee-tiny-draft",
 }

@@ -21,7 +21,7 @@ CLASS_CHOICES = {"attention": (ATTENTIONS, "attention class"), "mlp": (MLPS, "ML
                  "norm": (NORMS, "norm class")}
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_heads", "intermediate_size", "norm_eps")
 # block-config fields a spec may not read from the config: its config adapter derives them
-DERIVED_FIELDS = ("separate_mlp_norm",)
+DERIVED_FIELDS = ("separate_mlp_norm", "rope_layer_type")
 
 
 class SpecError(ValueError):
@@ -162,6 +162,7 @@ class FamilySpec(_Strict):
             raise ValueError("mixture_of_experts needs config_fields num_experts and num_experts_per_tok")
         if f.qk_norm and self.classes.attention != "Attention":
             raise ValueError("features.qk_norm needs classes.attention Attention")
+        _allowed(self.config_defaults.get("qk_norm_class", "RMSNorm"), NORMS, "qk_norm_class")
         if f.sliding_window != ("sliding_window" in fields):
             raise ValueError("features.sliding_window must be true exactly when config_fields maps sliding_window")
         if f.parallel_attention != ("parallel_attention" in fields):

@@ -12,7 +12,7 @@ from torch import nn
 from bloombee.models.core.config import BlockConfig
 from bloombee.models.core.masks import causal_mask, sliding_window_mask
 from bloombee.models.core.packing import Cache, Segment, segment_slices
-from bloombee.models.core.norms import RMSNorm
+from bloombee.models.core.norms import NORMS
 from bloombee.models.core.rotary import apply_rotary
 
 
@@ -120,12 +120,14 @@ class Attention(_AttentionBase):
 
 
 class QKNormAttention(Attention):
-    """Attention with a per-head RMSNorm on queries and keys (qwen3): the spec's ``features.qk_norm``."""
+    """Attention with a per-head norm on queries and keys (qwen3's RMSNorm, gemma3's OffsetRMSNorm: the block
+    config's ``qk_norm_class``): the spec's ``features.qk_norm``."""
 
     def __init__(self, cfg: BlockConfig):
         super().__init__(cfg)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        norm = NORMS[cfg.qk_norm_class]
+        self.q_norm = norm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = norm(cfg.head_dim, cfg.norm_eps)
 
     def normalize(self, q, k):
         return self.q_norm(q), self.k_norm(k)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from bloombee.models.core.rotary import rope_layer_types
+
 
 @dataclass
 class BlockConfig:
@@ -24,6 +26,8 @@ class BlockConfig:
     output_bias: bool | None = None  # the attention's output projection (None: as attention_bias; qwen2: none)
     mlp_bias: bool = False
     sliding_window: int | None = None
+    rope_layer_type: str | None = None  # the key of this layer's rope parameters where they differ by layer (gemma3)
+    qk_norm_class: str = "RMSNorm"  # the norm QKNormAttention applies to each head's queries and keys (core.norms)
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (None: head_dim's)
     attn_softcap: float | None = None  # scores pass through cap * tanh(scores / cap) before the mask (gemma2)
     num_experts: int = 0
@@ -50,11 +54,15 @@ BLOCK_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(BlockConfig))
 
 
 def standard_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
-    """Decoder-only pre-norm families: a per-layer sliding window when the config lists layer types."""
+    """Decoder-only pre-norm families: a per-layer sliding window when the config lists layer types, and the layer's
+    own rope parameters where the config keeps them per layer type."""
     layer_types = getattr(hf_config, "layer_types", None)
     if cfg.sliding_window is not None and layer_types is not None:
         if layer_types[layer_index] != "sliding_attention":
             cfg.sliding_window = None
+    rope_types = rope_layer_types(hf_config)
+    if rope_types is not None:
+        cfg.rope_layer_type = rope_types[layer_index]
     return cfg
 
 

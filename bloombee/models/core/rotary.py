@@ -17,10 +17,13 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
-def rope_parameters(config) -> dict:
-    """The config's rope parameters as a dict with at least rope_type and rope_theta."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The config's rope parameters (those of `layer_type`, where the config keeps them per layer type) as a dict with
+    at least rope_type and rope_theta."""
     params = getattr(config, "rope_parameters", None)
-    if params is None:
+    if layer_type is not None:
+        params = params[layer_type]
+    elif params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params = dict(params)
@@ -28,14 +31,22 @@ def rope_parameters(config) -> dict:
     return params
 
 
-class RotaryEmbedding(nn.Module):
-    """Computes (cos, sin) [b, T, head_dim] for rotary positions [b, T]."""
+def rope_layer_types(config) -> list[str] | None:
+    """Each layer's key into the config's rope parameters where it keeps them per layer type (gemma3), else None."""
+    params, layer_types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
+    if isinstance(params, dict) and layer_types and set(layer_types) <= set(params):
+        return list(layer_types)
+    return None
 
-    def __init__(self, config, head_dim: int):
+
+class RotaryEmbedding(nn.Module):
+    """Computes (cos, sin) [b, T, head_dim] for rotary positions [b, T], with the rope parameters of `layer_type`
+    where the config keeps them per layer type."""
+
+    def __init__(self, config, head_dim: int, layer_type: str | None = None):
         super().__init__()
-        self.config = config
-        self.head_dim = head_dim
-        params = rope_parameters(config)
+        self.config, self.head_dim, self.layer_type = config, head_dim, layer_type
+        params = rope_parameters(config, layer_type)
         self.rope_type = params["rope_type"]
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
@@ -48,13 +59,18 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, None)
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, None, **self._of_type())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if self.rope_type == "longrope":  # short factors up to the original context, long ones past it
             self.original_max_length = params.get("original_max_position_embeddings") or getattr(
                 config, "original_max_position_embeddings", None) or self.original_max_length
-            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=self.original_max_length + 1)
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=self.original_max_length + 1,
+                                                               **self._of_type())
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+
+    def _of_type(self) -> dict:
+        """The layer type transformers' rope functions take, where the config keeps parameters per layer type."""
+        return {} if self.layer_type is None else {"layer_type": self.layer_type}
 
     def _inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
         if self.rope_type == "longrope":
@@ -67,7 +83,8 @@ class RotaryEmbedding(nn.Module):
             return self.inv_freq
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.config, self.inv_freq.device, seq_len=seq_len)
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.config, self.inv_freq.device, seq_len=seq_len,
+                                                     **self._of_type())
         return inv_freq
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,8 @@ class BlockStack(nn.Module):
         """(Re)create non-persistent buffers (rotary frequencies), e.g. after building on the meta device."""
         with torch.device(device):
             head_dim = self.block_configs[0].head_dim
-            self.rotary = RotaryEmbedding(self.config, head_dim) if self.family.rotary else None
+            kinds = dict.fromkeys(cfg.rope_layer_type for cfg in self.block_configs) if self.family.rotary else {}
+            self.rotaries = {kind: RotaryEmbedding(self.config, head_dim, kind) for kind in kinds}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,14 +86,22 @@ class BlockStack(nn.Module):
         """Run blocks ``block_range`` over the packed vectors [N, H] of ``segments`` (rotary positions [N]): one
         forward for all of them, each segment attending its own caches (``bloombee.models.core.packing``)."""
         lo, hi = self.local_range(block_range)
-        cos = sin = None
-        if self.rotary is not None:  # per segment: a dynamic rope scales by the segment's own longest position
-            parts = [self.rotary(rope_positions[part], hidden.dtype) for part in segment_slices(segments)]
-            cos, sin = (torch.cat(halves) if len(parts) > 1 else halves[0] for halves in zip(*parts))
-        for i, block in enumerate(self.blocks[lo:hi]):
+        rotations = {kind: self._rotation(rotary, hidden.dtype, rope_positions, segments)
+                     for kind, rotary in self.rotaries.items()}
+        for i, (block, cfg) in enumerate(zip(self.blocks[lo:hi], self.block_configs[lo:hi])):
             caches = [segment.caches[i] if segment.caches is not None else None for segment in segments]
+            cos, sin = rotations.get(cfg.rope_layer_type, (None, None))
             hidden = block(hidden, cos, sin, segments, caches)
         return hidden
+
+    @staticmethod
+    def _rotation(rotary: RotaryEmbedding, dtype: torch.dtype, rope_positions: torch.Tensor,
+                  segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the packed positions, per segment: a dynamic rope scales by the segment's own longest
+        position."""
+        parts = [rotary(rope_positions[part], dtype) for part in segment_slices(segments)]
+        cos, sin = (torch.cat(halves) if len(parts) > 1 else halves[0] for halves in zip(*parts))
+        return cos, sin
 
     def _check_inputs(self, hidden, rope_positions, caches, cache_positions, attention_mask, num_blocks):
         h = self.config.hidden_size
