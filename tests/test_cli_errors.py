@@ -203,3 +203,27 @@ def test_ctrl_c_exits_130_with_one_line(swarm):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "bloombee-client: interrupted" and "Traceback" not in stderr
+
+
+DROPPED_CTRL_C = """
+import sys, weakref
+from bloombee.cli.common import run_main
+
+class Thing:
+    pass
+
+def work():
+    thing = Thing()
+    def interrupted_here(ref):  # where a Ctrl-C can land: Python reports it as unraisable and goes on
+        raise KeyboardInterrupt
+    ref = weakref.ref(thing, interrupted_here)
+    del thing
+    print("ran to the end")
+
+sys.exit(run_main("demo", work, "info"))
+"""
+
+
+def test_a_ctrl_c_that_python_drops_in_a_weakref_callback_still_ends_with_130_and_one_line():
+    done = subprocess.run([sys.executable, "-c", DROPPED_CTRL_C], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "ran to the end\n", "demo: interrupted\n")

@@ -153,3 +153,13 @@ def test_model_section_from_config():
         "head_dim": 8,
         "intermediate_size": 96,
     }
+
+
+def test_a_multimodal_config_is_sized_from_its_text_config():
+    from transformers import Gemma3Config, Gemma3TextConfig
+
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=128)
+    section = model_section_from_config(Gemma3Config(text_config=text), name="gemma-3")
+    assert section["num_blocks"] == 2
+    assert section["params_per_block"] == _layer_params(Gemma3TextConfig(**text))

@@ -146,8 +146,11 @@ def convert_one(action: argparse.Action, value: Any, parser: argparse.ArgumentPa
 def run_main(prog: str, command: Callable[[], Any], log_level: str) -> int:
     """Run a console script's work: a person's mistake is one line on stderr (traceback only at --log-level debug),
     Ctrl-C is one line and exit status 130."""
+    sys.unraisablehook = interrupts = _DroppedInterrupts(sys.unraisablehook)
     try:
         result = command()
+        if interrupts.dropped:  # the work ran to its end, but the person asked to stop it
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -160,6 +163,20 @@ def run_main(prog: str, command: Callable[[], Any], log_level: str) -> int:
         print(f"{prog}: {message}", file=sys.stderr)
         return 1
     return result or 0
+
+
+class _DroppedInterrupts:
+    """An unraisable-exception hook that keeps the Ctrl-Cs Python drops (a KeyboardInterrupt that lands in a finalizer
+    or a weakref callback cannot be raised there) and passes every other report on to `hook`."""
+
+    def __init__(self, hook: Callable[[Any], None]):
+        self.hook, self.dropped = hook, False
+
+    def __call__(self, report: Any) -> None:
+        if isinstance(report.exc_value, KeyboardInterrupt):
+            self.dropped = True
+        else:
+            self.hook(report)
 
 
 def user_message(error: Exception) -> str | None:

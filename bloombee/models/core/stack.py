@@ -37,6 +37,8 @@ class BlockStack(nn.Module):
         with torch.device(device):
             head_dim = self.block_configs[0].head_dim
             kinds = dict.fromkeys(cfg.rope_layer_type for cfg in self.block_configs) if self.family.rotary else {}
+            # one per rope layer type among the blocks (None: the config's one); a plain dict, not submodules, so
+            # that the frequencies stay in float32 on this device whatever the blocks are cast to
             self.rotaries = {kind: RotaryEmbedding(self.config, head_dim, kind) for kind in kinds}
 
     @property
