@@ -178,8 +178,8 @@ class StepBatcher:
         return batch
 
     def _forward(self, prepares: list[Callable[[], PreparedStep]]) -> tuple[list, ForwardTiming]:
-        """Prepare each step (a step that fails to is refused alone), one forward for the
-        rest, each step's result or error, and the forward's timing."""
+        """Prepare each step (a step that fails to is refused alone), one forward for the rest, each step's result or
+        error, and the forward's timing."""
         began_at, began, began_cpu = time.time(), time.perf_counter(), time.thread_time()
         outcomes: list = []
         prepared: list[tuple[int, PreparedStep]] = []

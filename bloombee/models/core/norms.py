@@ -7,6 +7,12 @@ import torch
 from torch import nn
 
 
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x divided by its root mean square over the last dimension, in float32."""
+    x = x.to(torch.float32)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale (no bias, no mean subtraction), computed in float32."""
 
@@ -16,10 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalized(x, self.eps).to(x.dtype)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -31,9 +34,7 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.to(torch.float32)
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
