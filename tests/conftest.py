@@ -47,6 +47,7 @@ TINY_VARIANTS = {
                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=48, num_attention_heads=6)),  # slopes past 2^k
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(
         multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False)),
     "falcon-sequential": ("FalconConfig", "FalconForCausalLM", dict(

@@ -7,8 +7,11 @@ import torch
 import transformers
 from transformers.core_model_loading import revert_weight_conversion
 
+from bloombee.loading import CheckpointReader, load_block_stack, load_client_head
 from bloombee.models import family_for_config
+from bloombee.models.core.masks import stateless_causal_mask
 from bloombee.models.core.stack import BlockStack, ClientHead
+from conftest import make_tiny_model
 
 # the shapes that matter of real hub models' config.json (layers cut to 2 below)
 REAL_CONFIGS = {
@@ -65,6 +68,8 @@ REAL_CONFIGS = {
     "google/gemma-7b": ("GemmaConfig", dict(
         hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),
+    "bigscience/bloom": ("BloomConfig", dict(hidden_size=14336, n_head=112, vocab_size=250880)),
+    "bigscience/bloomz-7b1": ("BloomConfig", dict(hidden_size=4096, n_head=32, vocab_size=250880)),
     "google/gemma-2b": ("GemmaConfig", dict(
         hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),
@@ -97,3 +102,17 @@ def test_a_real_checkpoints_tensors_are_what_the_servers_and_the_client_read(hub
             read_by_head[local_head] = shape
     assert read_by_blocks == blocks
     assert read_by_head == head
+
+
+def test_a_checkpoint_saved_from_the_base_model_loads_and_generates_as_the_full_one(tmp_path):
+    """bigscience's bloom checkpoints were saved from BloomModel: their names lack "transformer." (the spec's
+    base_prefix) and they hold no lm_head (tied). Servers and client load such a folder, and generate as the model."""
+    model = make_tiny_model("bloom", num_layers=2)
+    model.transformer.save_pretrained(tmp_path)
+    assert not any(name.startswith("transformer.") for name in CheckpointReader(tmp_path).keys())
+    stack, head = load_block_stack(tmp_path, 0, 2), load_client_head(tmp_path)
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    positions = torch.arange(5)
+    with torch.no_grad():
+        hidden = stack(head.embed(ids), positions[None], None, positions, stateless_causal_mask(5))
+        assert torch.equal(head.logits(hidden), model(ids).logits)

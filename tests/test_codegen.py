@@ -7,6 +7,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import transformers
 
 from bloombee.cli.codegen import main
 from bloombee.models import families
@@ -92,12 +93,14 @@ def test_cli_renders_from_given_folders_anywhere(tmp_path, monkeypatch, capsys):
 
 
 def test_features_pick_the_core_parts():
-    qwen3, falcon, llama = (families()[name] for name in ("qwen3", "falcon", "llama"))
+    qwen3, falcon, llama, bloom = (families()[name] for name in ("qwen3", "falcon", "llama", "bloom"))
     assert qwen3.block_class.attention_class is QKNormAttention
     assert llama.block_class.attention_class is Attention
     assert issubclass(falcon.block_class, ParallelDecoderBlock)
     assert not issubclass(llama.block_class, ParallelDecoderBlock)
-    assert all(family.rotary for family in families().values())
+    assert all(family.rotary != family.alibi for family in families().values())
+    assert bloom.alibi and bloom.block_config(transformers.BloomConfig(n_head=4, hidden_size=64), 0).alibi
+    assert bloom.embedding_norm and not llama.embedding_norm
 
 
 def test_wrap_keeps_lines_within_the_width():

@@ -13,6 +13,8 @@ from bloombee.loading import load_block_stack, load_client_head
 from bloombee.models import families, family_for_model_type
 from bloombee.models.codegen import SPECS_DIR, render_all, write_all
 from bloombee.models.core import masks
+from bloombee.models.core.packing import Segment
+from bloombee.speculative.tree import depths, tree_mask
 
 from conftest import TINY_VARIANTS
 
@@ -156,7 +158,7 @@ def test_new_spec_from_readme_is_exact(readme_family, tiny_checkpoint, monkeypat
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral", "qwen2-sliding", "qwen3", "mixtral", "falcon-7b",
-                                     "falcon-40b", "gemma", "gemma3"])
+                                     "falcon-40b", "gemma", "gemma3", "bloom"])
 def test_left_padded_batch_matches_generate(variant, tiny_checkpoint):
     folder, model = tiny_checkpoint(variant, LAYERS)
     stacks, head = load_servers(folder)
@@ -201,3 +203,30 @@ def test_longrope_rotates_a_step_past_the_original_context_with_the_long_factors
     caches = [stack.new_caches(1, 16) for stack in stacks]
     last = run_chain(stacks, head.embed(ids), positions[None], caches, positions, masks.causal_mask(positions, 12))[-1]
     assert (head.logits(last) - model(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("nodes_alone", [False, True])
+def test_an_alibi_tree_step_equals_each_branch_decoded_in_order(tiny_checkpoint, nodes_alone):
+    """ALiBi counts a key's position among the keys its query attends: a tree node's ancestors are its positions, so a
+    tree step (all nodes at once, or node by node as batch-invariant servers attend) gives each node the hidden state
+    its branch decoded token by token gives."""
+    folder, _ = tiny_checkpoint("bloom", 2)
+    stack, head = load_block_stack(folder, 0, 2), load_client_head(folder)
+    for block in stack.blocks:
+        block.attn.tree_nodes_alone = nodes_alone
+    generator = torch.Generator().manual_seed(4)
+    prompt, nodes = torch.randint(1, 128, (1, 6), generator=generator), torch.randint(1, 128, (5,), generator=generator)
+    parents = torch.tensor([-1, 0, 0, 1, 2])
+    caches = stack.new_caches(1, 16)
+    positions = torch.arange(6)
+    stack(head.embed(prompt), positions[None], caches, positions, masks.causal_mask(positions, 6))
+    slots = torch.arange(6, 11)
+    mask = tree_mask([parents], 5, torch.ones(1, 6, dtype=torch.bool))
+    segment = Segment(1, 5, slots, mask, caches, tree_start=6)
+    tree = stack.forward_packed(head.embed(nodes), 6 + depths(parents), [segment])
+    for leaf, branch in ((3, [0, 1, 3]), (4, [0, 2, 4])):
+        ids = torch.cat([prompt[0], nodes[branch]])[None]
+        positions = torch.arange(ids.shape[1])
+        alone = stack(head.embed(ids), positions[None], stack.new_caches(1, 16), positions,
+                      masks.causal_mask(positions, ids.shape[1]))
+        assert (tree[leaf] - alone[0, -1]).abs().max() <= 1e-5

@@ -105,8 +105,8 @@ def _layer_params(config) -> int:
 
 
 def _configs():
-    from transformers import (FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (BloomConfig, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
     return {
@@ -123,6 +123,7 @@ def _configs():
                                     num_experts_per_tok=2),
         "falcon-40b": FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
                                    new_decoder_architecture=True, num_kv_heads=2),
+        "bloom": BloomConfig(hidden_size=64, n_layer=2, n_head=8, vocab_size=128),
     }
 
 

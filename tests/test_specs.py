@@ -38,15 +38,17 @@ def test_committed_specs_are_valid():
     (lambda d: d["classes"].update(mlp="SwiGLU"), r"MLP class 'SwiGLU' is not allowed; allowed: FusedGatedMLP, GatedMLP, GeluMLP"),
     (lambda d: d["classes"].update(norm="BatchNorm"), r"norm class 'BatchNorm' is not allowed; allowed: LayerNorm"),
     (lambda d: d.update(config_class="NoSuchConfig"), r"field 'config_class': 'NoSuchConfig' is not a class"),
-    (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: falcon, sparse_moe, standard"),
+    (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: bloom, falcon, sparse_moe, standard"),
     (lambda d: d["config_fields"].update(rope_theta="rope_theta"),
      r"field 'config_fields': block config field 'rope_theta' is not allowed; allowed: "),
     (lambda d: d["weights"].update(block_prefix="model.layers."), r"'weights.block_prefix'.*must contain"),
     (lambda d: d["weights"]["block"].update({"foo.": "bar."}), r"target must start with one of the block modules"),
-    (lambda d: d["weights"]["head"].update({"x.": "pooler."}), r"'pooler.' is not allowed; allowed: embed_tokens."),
+    (lambda d: d["weights"]["head"].update({"x.": "pooler."}), r"'pooler.' is not allowed; allowed: embed_norm., embed_tokens."),
     (lambda d: d.update(dht_prefix="{name}.v1"), r"field 'dht_prefix'.*no '\.'"),
     (lambda d: d["features"].update(mixture_of_experts=True), r"mixture_of_experts must be true exactly when"),
     (lambda d: d["features"].update(sliding_window=True), r"sliding_window must be true exactly when"),
+    (lambda d: d["features"].update(alibi=True), r"features.alibi and features.rotary exclude each other"),
+    (lambda d: d["features"].update(embedding_norm=True), r"embedding_norm must be true exactly when weights.head"),
     (lambda d: d.update(family="llama2"), r"field 'family': 'llama2' must equal the file name"),
 ])
 def test_spec_errors_name_file_field_and_allowed(tmp_path, mutate, expected):
@@ -74,7 +76,7 @@ def test_not_yaml_mapping(tmp_path):
 def test_registry_maps_model_types():
     assert set(families()) == {p.stem for p in SPECS_DIR.glob("*.yaml")}
     for model_type, family in [("llama", "llama"), ("mistral", "mistral"), ("qwen3", "qwen3"),
-                               ("mixtral", "mixtral"), ("falcon", "falcon")]:
+                               ("mixtral", "mixtral"), ("falcon", "falcon"), ("bloom", "bloom")]:
         assert family_for_model_type(model_type).name == family
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported model types: falcon"):
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported model types: bloom, falcon"):
         family_for_model_type("gpt2")

@@ -16,6 +16,7 @@ FAMILIES = {  # tiny variant -> the servers' extra flags
     "phi3": (),
     "gemma2": (),
     "gemma3": (),
+    "bloom": ("--offload", "0.5"),  # ALiBi slopes of the heads in host memory
 }
 SERVERS = {"a": "0:3", "b": "3:6", "spare": "3:6", "c": "6:8"}
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35]])

@@ -39,6 +39,11 @@ ALIASES: dict[str, str] = {
     "gemma-2-9b": "google/gemma-2-9b",
     "gemma-2-27b": "google/gemma-2-27b",
     "gemma-3-1b": "google/gemma-3-1b-it",
+    "bloom": "bigscience/bloom",
+    "bloomz": "bigscience/bloomz",
+    "bloom-560m": "bigscience/bloom-560m",
+    "bloom-7b1": "bigscience/bloom-7b1",
+    "bloomz-7b1": "bigscience/bloomz-7b1",
     "bloombee-tiny": PACKAGE_ASSET + "bloombee-tiny",
     "bloombee-tiny-draft": PACKAGE_ASSET + "bloombee-tiny-draft",
 }

@@ -15,13 +15,13 @@ from bloombee.models.core.mlp import MLPS
 from bloombee.models.core.norms import NORMS
 
 BLOCK_MODULES = ("attn.", "attn_norm.", "mlp.", "mlp_norm.", "post_attn_norm.", "post_mlp_norm.")
-HEAD_MODULES = ("embed_tokens.", "norm.", "lm_head.")
+HEAD_MODULES = ("embed_tokens.", "embed_norm.", "norm.", "lm_head.")
 # classes.<field> -> (the core classes it may name, what the error calls them)
 CLASS_CHOICES = {"attention": (ATTENTIONS, "attention class"), "mlp": (MLPS, "MLP class"),
                  "norm": (NORMS, "norm class")}
-REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_heads", "intermediate_size", "norm_eps")
-# block-config fields a spec may not read from the config: its config adapter derives them
-DERIVED_FIELDS = ("separate_mlp_norm", "rope_layer_type")
+REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_heads", "norm_eps")
+# block-config fields a spec may not read from the config: its config adapter or its features set them
+DERIVED_FIELDS = ("separate_mlp_norm", "rope_layer_type", "alibi")
 
 
 class SpecError(ValueError):
@@ -58,12 +58,15 @@ class Features(_Strict):
     sliding_window: bool  # must agree with config_fields (sliding_window)
     scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size) (gemma)
     sandwich_norms: bool = False  # the block is core.block.SandwichDecoderBlock (gemma2)
+    alibi: bool = False  # attention scores take ALiBi biases (bloom); needs rotary false
+    embedding_norm: bool = False  # the client normalises token embeddings: its head maps embed_norm. (bloom)
 
 
 class Weights(_Strict):
     block_prefix: str
     block: dict[str, str]
     head: dict[str, str]
+    base_prefix: str = ""  # the names' prefix a checkpoint saved from the base model leaves out (bloom's)
 
     @field_validator("block_prefix")
     @classmethod
@@ -163,6 +166,10 @@ class FamilySpec(_Strict):
         if f.qk_norm and self.classes.attention != "Attention":
             raise ValueError("features.qk_norm needs classes.attention Attention")
         _allowed(self.config_defaults.get("qk_norm_class", "RMSNorm"), NORMS, "qk_norm_class")
+        if f.alibi and f.rotary:
+            raise ValueError("features.alibi and features.rotary exclude each other")
+        if f.embedding_norm != ("embed_norm." in self.weights.head.values()):
+            raise ValueError("features.embedding_norm must be true exactly when weights.head maps embed_norm.")
         if f.sliding_window != ("sliding_window" in fields):
             raise ValueError("features.sliding_window must be true exactly when config_fields maps sliding_window")
         if f.parallel_attention != ("parallel_attention" in fields):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ class _AttentionBase(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
+        self.alibi = cfg.alibi
         self.tree_nodes_alone = False  # batch-invariant mode: tree steps attend node by node (`attend_tree_nodes`)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,8 +66,12 @@ class _AttentionBase(nn.Module):
             return cache.attend(q, k, v, positions, segment.batch_offset, mask, attention)
         return attention(q, k, v, mask)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention of q [b, h, T, d] over k, v [b, kv, S, d] (each KV head serving its group of query heads)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               first_head: int = 0) -> torch.Tensor:
+        """Attention of q [b, h, T, d] over k, v [b, kv, S, d] (each KV head serving its group of query heads);
+        q's heads are the block's heads from ``first_head`` on (an offloaded cache attends its parts apart)."""
+        if self.alibi:
+            return self._attend_with_alibi(q, k, v, mask, first_head)
         if self.softcap is not None:
             return self._attend_softcapped(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale,
@@ -81,8 +87,23 @@ class _AttentionBase(nn.Module):
         scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
         return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
+    def _attend_with_alibi(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           first_head: int) -> torch.Tensor:
+        """`attend` with ALiBi (bloom): the scaled scores plus each head's slope times the key's position, counted
+        among the keys the query attends (as transformers counts it over the padding mask, and for a tree's node
+        over its ancestors); the softmax in float32."""
+        b, h, T, d = q.shape
+        group = h // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        slopes = alibi_slopes(self.num_heads, q.device)[first_head:first_head + h]
+        key_positions = mask.cumsum(-1) - 1
+        bias = (slopes[:, None, None] * key_positions[:, None]).to(q.dtype)
+        scores = torch.baddbmm(bias.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=self.scale)
+        scores = scores.view(b, h, T, -1).masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
     def attend_tree_nodes(self, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: torch.Tensor) -> torch.Tensor:
+                          mask: torch.Tensor, first_head: int = 0) -> torch.Tensor:
         """`attend` of a tree step's nodes (slots from `start`) one at a time, each over its row's slots before the
         tree and its own ancestors' (itself included) in order: the keys, values and mask a token decoded alone at
         its depth attends, so that it gets that token's bits."""
@@ -92,8 +113,27 @@ class _AttentionBase(nn.Module):
             for node in range(q.shape[2]):
                 slots = torch.cat([prefix, mask[row, node, start:].nonzero().squeeze(1) + start])
                 out[row, :, node] = self.attend(q[row:row + 1, :, node:node + 1], k[row:row + 1, :, slots],
-                                                v[row:row + 1, :, slots], mask[row:row + 1, node:node + 1, slots])[0, :, 0]
+                                                v[row:row + 1, :, slots], mask[row:row + 1, node:node + 1, slots],
+                                                first_head)[0, :, 0]
         return out
+
+
+@lru_cache
+def alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
+    """ALiBi's per-head slopes in float32: r^1 .. r^n, r = 2^(-8/n), for the largest power of two n <= heads, then
+    the odd powers of 2^(-4/n) for the heads beyond n."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = _powers(2.0 ** (-8.0 / n), n, 1, device)
+    if n < num_heads:
+        slopes = torch.cat([slopes, _powers(2.0 ** (-4.0 / n), num_heads - n, 2, device)])
+    return slopes
+
+
+def _powers(ratio: float, count: int, step: int, device: torch.device) -> torch.Tensor:
+    """ratio^1, ratio^(1 + step), ... (count of them), the powers taken in float32 (so that the slopes have the
+    reference implementation's bits)."""
+    base = torch.full((), ratio, dtype=torch.float32, device=device)
+    return torch.pow(base, torch.arange(1, 1 + step * count, step, dtype=torch.int32, device=device))
 
 
 class Attention(_AttentionBase):

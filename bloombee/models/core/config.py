@@ -17,8 +17,8 @@ from bloombee.models.core.rotary import rope_layer_types
 class BlockConfig:
     hidden_size: int
     num_heads: int
-    intermediate_size: int
     norm_eps: float
+    intermediate_size: int | None = None  # None: 4 x hidden_size (bloom's configs name no width)
     num_kv_heads: int | None = None
     head_dim: int | None = None
     hidden_act: str = "silu"
@@ -26,6 +26,7 @@ class BlockConfig:
     output_bias: bool | None = None  # the attention's output projection (None: as attention_bias; qwen2: none)
     mlp_bias: bool = False
     sliding_window: int | None = None
+    alibi: bool = False  # attention scores biased by ALiBi slopes times key positions (bloom); set by the family
     rope_layer_type: str | None = None  # the key of this layer's rope parameters where they differ by layer (gemma3)
     qk_norm_class: str = "RMSNorm"  # the norm QKNormAttention applies to each head's queries and keys (core.norms)
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (None: head_dim's)
@@ -44,6 +45,8 @@ class BlockConfig:
     def __post_init__(self):
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_heads
         if self.output_bias is None:
@@ -96,7 +99,18 @@ def sparse_moe_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockCo
     return standard_adapter(hf_config, cfg, layer_index)
 
 
-CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter, "sparse_moe": sparse_moe_adapter}
+def bloom_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
+    """BLOOM: the released models' residual arrangement and projections; configs computing either differently (a
+    residual taken after the norm, tensor-parallel-exact slices) are refused."""
+    if getattr(hf_config, "apply_residual_connection_post_layernorm", False):
+        raise ValueError("bloom configs with apply_residual_connection_post_layernorm=True are not supported.")
+    if getattr(hf_config, "slow_but_exact", False) and getattr(hf_config, "pretraining_tp", 1) > 1:
+        raise ValueError("bloom configs with slow_but_exact=True and pretraining_tp > 1 are not supported.")
+    return cfg
+
+
+CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter, "sparse_moe": sparse_moe_adapter,
+                   "bloom": bloom_adapter}
 
 
 def read_config_field(hf_config, attribute: str, field: str, defaults: dict, family: str):

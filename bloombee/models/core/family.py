@@ -40,6 +40,9 @@ class Family:
     head_renames: dict[str, str]  # checkpoint prefix -> head module prefix
     dht_prefix_rule: str  # e.g. "{name}"
     scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size)
+    embedding_norm: bool = False  # the client normalises token embeddings (its head module embed_norm.)
+    alibi: bool = False  # attention biased by ALiBi instead of rotary positions
+    base_prefix: str = ""  # the base model's prefix: checkpoints saved from the base model lack it (bloom's)
     _block_patterns: list = field(init=False, repr=False)
     _head_patterns: list = field(init=False, repr=False)
 
@@ -49,16 +52,29 @@ class Family:
 
     def block_config(self, hf_config, layer_index: int) -> BlockConfig:
         """The BlockConfig of block ``layer_index``."""
-        return read_block_config(hf_config, layer_index, self.name, self.config_fields, self.config_defaults,
-                                 self.config_adapter)
+        cfg = read_block_config(hf_config, layer_index, self.name, self.config_fields, self.config_defaults,
+                                self.config_adapter)
+        cfg.alibi = self.alibi
+        return cfg
+
+    def _spellings(self, checkpoint_name: str) -> tuple[str, ...]:
+        """The name as saved, and with the base model's prefix where a base-model checkpoint leaves it out."""
+        if not self.base_prefix or checkpoint_name.startswith(self.base_prefix):
+            return (checkpoint_name,)
+        return checkpoint_name, self.base_prefix + checkpoint_name
 
     def block_tensor_name(self, checkpoint_name: str, index: int) -> str | None:
         """Module name inside block ``index`` for a checkpoint tensor, or None if it is not that block's."""
         prefix = self.block_prefix.format(index=index)
-        if not checkpoint_name.startswith(prefix):
-            return None
-        return _rename(checkpoint_name[len(prefix):], self._block_patterns)
+        for name in self._spellings(checkpoint_name):
+            if name.startswith(prefix):
+                return _rename(name[len(prefix):], self._block_patterns)
+        return None
 
     def head_tensor_name(self, checkpoint_name: str) -> str | None:
         """Client-head module name for a checkpoint tensor, or None if it is not a head tensor."""
-        return _rename(checkpoint_name, self._head_patterns)
+        for name in self._spellings(checkpoint_name):
+            local = _rename(name, self._head_patterns)
+            if local is not None:
+                return local
+        return None

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v, mask) -> out
+# (q, k, v, mask, first_head) -> out, q's heads being the block's heads from first_head on
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def compact_slots(tensor: torch.Tensor, slot_dim: int, start: int, keep: list[torch.Tensor], batch_offset: int = 0) -> None:
@@ -75,7 +76,8 @@ class KVCache:
         compact_slots(self.v, 2, start, keep, batch_offset)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_positions: torch.Tensor,
-               batch_offset: int, mask: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """Write ``k, v`` and attend ``q`` ``[b, heads, T, d]`` over slots [0, mask.shape[-1]) under ``mask`` [b, T, S]."""
+               batch_offset: int, mask: torch.Tensor, attention: Attention, first_head: int = 0) -> torch.Tensor:
+        """Write ``k, v`` and attend ``q`` ``[b, heads, T, d]`` (the block's heads from ``first_head`` on) over slots
+        [0, mask.shape[-1]) under ``mask`` [b, T, S]."""
         keys, values = self.update(cache_positions, k, v, batch_offset, mask.shape[-1])
-        return attention(q, keys, values, mask)
+        return attention(q, keys, values, mask, first_head)

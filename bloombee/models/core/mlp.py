@@ -1,5 +1,5 @@
-"""Feed-forward layers: gated (SwiGLU; its gate and up fused in phi3), plain GELU (falcon) and mixture of experts
-(mixtral, qwen3_moe)."""
+"""Feed-forward layers: gated (SwiGLU; its gate and up fused in phi3), plain GELU (falcon, bloom) and mixture of
+experts (mixtral, qwen3_moe)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,25 @@ from transformers.activations import ACT2FN
 from bloombee.models.core.config import BlockConfig
 
 
+class BloomGELU(nn.Module):
+    """GELU's tanh approximation written out as bloom computes it (its constants rounded as there, so its bits)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def activation(name: str) -> nn.Module:
+    """The activation a config's ``hidden_act`` names: transformers' (ACT2FN), or ``bloom_gelu``."""
+    return BloomGELU() if name == "bloom_gelu" else ACT2FN[name]
+
+
 class GatedMLP(nn.Module):
     def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -30,7 +42,7 @@ class FusedGatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -42,7 +54,7 @@ class GeluMLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))

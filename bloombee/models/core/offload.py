@@ -82,7 +82,8 @@ class OffloadedKVCache:
                                                  cache_positions, batch_offset, mask, attention))
         if copied is not None:
             copied.synchronize()
-        host_out = self.in_host.attend(*host_inputs[:3], host_inputs[4], batch_offset, host_inputs[3], attention)
+        host_out = self.in_host.attend(*host_inputs[:3], host_inputs[4], batch_offset, host_inputs[3], attention,
+                                       query_heads)
         outputs.append(host_out.to(self.device, non_blocking=True))
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 

@@ -127,14 +127,17 @@ class BlockStack(nn.Module):
 
 
 class ClientHead(nn.Module):
-    """What the client holds of a model: token embeddings, the final norm (the blocks' norm class), LM head."""
+    """What the client holds of a model: token embeddings (and their norm, bloom's), the final norm (the blocks' norm
+    class), LM head."""
 
     def __init__(self, family: Family, config):
         super().__init__()
         self.family, self.config = family, config
         norm_eps = family.block_config(config, 0).norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.norm = family.block_class.norm_class(config.hidden_size, norm_eps)
+        norm_class = family.block_class.norm_class
+        self.embed_norm = norm_class(config.hidden_size, norm_eps) if family.embedding_norm else None
+        self.norm = norm_class(config.hidden_size, norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
@@ -149,6 +152,8 @@ class ClientHead(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.family.scaled_embeddings:  # by sqrt(hidden_size) rounded to float32, then to the embeddings' dtype
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype)
+        if self.embed_norm is not None:
+            hidden = self.embed_norm(hidden)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 """qwen2 family: where the model's tensors sit in a checkpoint."""
 
 BLOCK_PREFIX = 'model.layers.{index}.'
+# what a checkpoint saved from the base model leaves out of every name (empty: nothing)
+BASE_PREFIX = ''
 # checkpoint name inside a block -> module name; {expert} matches an expert index
 BLOCK_RENAMES = {'self_attn.': 'attn.', 'mlp.': 'mlp.', 'input_layernorm.': 'attn_norm.',
                  'post_attention_layernorm.': 'mlp_norm.'}
