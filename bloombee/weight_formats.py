@@ -11,6 +11,9 @@ from typing import Literal, get_args
 
 QuantType = Literal["none", "int8", "nf4"]
 QUANT_TYPES: tuple[QuantType, ...] = get_args(QuantType)
+# checkpoints' quant_method values whose weights a server reads dequantised to its dtype (bloombee.loading.stored):
+# gpt-oss's MXFP4 experts, DeepSeek-V3's float8 weights with block scales
+DEQUANTISED_ON_LOAD = ("mxfp4", "fp8")
 NF4_BLOCK_SIZE = 64  # weights per absmax scale (QLoRA's default, bitsandbytes' on CPU and CUDA)
 NF4_NESTED_BLOCK_SIZE = 256  # first-level scales per float32 second-level scale (double quantisation)
 NF4_QUANT_MAP_BYTES = (16 + 256) * 4  # the float32 code books: 16 NF4 values, 256 values of the scales' 8-bit code

@@ -48,6 +48,11 @@ TINY_VARIANTS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
                                                            num_local_experts=4, num_experts_per_tok=2)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=48, num_attention_heads=6)),  # slopes past 2^k
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(  # a limit small enough to clamp
+        intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=6, swiglu_limit=0.1, rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=32))),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(
         multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False)),
     "falcon-sequential": ("FalconConfig", "FalconForCausalLM", dict(

@@ -70,6 +70,9 @@ REAL_CONFIGS = {
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),
     "bigscience/bloom": ("BloomConfig", dict(hidden_size=14336, n_head=112, vocab_size=250880)),
     "bigscience/bloomz-7b1": ("BloomConfig", dict(hidden_size=4096, n_head=32, vocab_size=250880)),
+    "openai/gpt-oss-120b": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=128, num_experts_per_tok=4, vocab_size=201088, sliding_window=128, tie_word_embeddings=False)),
     "google/gemma-2b": ("GemmaConfig", dict(
         hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),

@@ -158,7 +158,7 @@ def test_new_spec_from_readme_is_exact(readme_family, tiny_checkpoint, monkeypat
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral", "qwen2-sliding", "qwen3", "mixtral", "falcon-7b",
-                                     "falcon-40b", "gemma", "gemma3", "bloom"])
+                                     "falcon-40b", "gemma", "gemma3", "bloom", "gpt-oss"])
 def test_left_padded_batch_matches_generate(variant, tiny_checkpoint):
     folder, model = tiny_checkpoint(variant, LAYERS)
     stacks, head = load_servers(folder)

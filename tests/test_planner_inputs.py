@@ -105,8 +105,8 @@ def _layer_params(config) -> int:
 
 
 def _configs():
-    from transformers import (BloomConfig, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
-                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (BloomConfig, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GptOssConfig,
+                              LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
     return {
@@ -124,6 +124,7 @@ def _configs():
         "falcon-40b": FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
                                    new_decoder_architecture=True, num_kv_heads=2),
         "bloom": BloomConfig(hidden_size=64, n_layer=2, n_head=8, vocab_size=128),
+        "gpt-oss": GptOssConfig(**small, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
     }
 
 

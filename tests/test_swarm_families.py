@@ -17,10 +17,11 @@ FAMILIES = {  # tiny variant -> the servers' extra flags
     "gemma2": (),
     "gemma3": (),
     "bloom": ("--offload", "0.5"),  # ALiBi slopes of the heads in host memory
+    "gpt-oss": ("--offload", "0.5"),  # attention sinks of the heads in host memory
 }
 SERVERS = {"a": "0:3", "b": "3:6", "spare": "3:6", "c": "6:8"}
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35]])
-NEW_TOKENS = 24  # past the sliding windows of qwen2-sliding, gemma2 and gemma3 (6 slots) and phi3 (8)
+NEW_TOKENS = 24  # past the sliding windows of qwen2-sliding, gemma2, gemma3, gpt-oss (6 slots) and phi3 (8)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from bloombee.loading.resolve import ModelNotFoundError, load_model_config, resolve_model
+from bloombee.loading.stored import dequantising
 from bloombee.models.core.quantize import (
     QUANTISATION_ENTRIES,
     QuantizationUnsupported,
@@ -166,6 +167,7 @@ def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, de
         return None
 
     _, reader = _checkpoint_folder(name_or_path, lambda n: module_name(n) is not None)
+    reader = dequantising(reader, config)
     renamed = {name: module_name(name) for name in reader.keys()}
     renamed = {k: v for k, v in renamed.items() if v is not None}
     _state_for({k for k in stack.state_dict()}, {k: v for k, v in renamed.items() if not _is_quantisation_entry(v)},
@@ -199,6 +201,7 @@ def load_client_head(name_or_path, dtype=torch.float32, device="cpu"):
     with torch.device("meta"):
         head = ClientHead(family, config)
     _, reader = _checkpoint_folder(name_or_path, lambda n: family.head_tensor_name(n) is not None)
+    reader = dequantising(reader, config)
     renamed = {k: family.head_tensor_name(k) for k in reader.keys()}
     renamed = {k: v for k, v in renamed.items() if v is not None}
     tie = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in renamed.values()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from bloombee.models.core.attention import ATTENTIONS
 from bloombee.models.core.config import BLOCK_CONFIG_FIELDS, CONFIG_ADAPTERS
-from bloombee.models.core.mlp import MLPS
+from bloombee.models.core.mlp import MIXTURES, MLPS
 from bloombee.models.core.norms import NORMS
 
 BLOCK_MODULES = ("attn.", "attn_norm.", "mlp.", "mlp_norm.", "post_attn_norm.", "post_mlp_norm.")
@@ -53,7 +53,7 @@ class Classes(_Strict):
 class Features(_Strict):
     rotary: bool  # the stack computes rotary embeddings
     qk_norm: bool  # the block's attention is core.attention.QKNormAttention
-    mixture_of_experts: bool  # must agree with classes.mlp (MoEMLP)
+    mixture_of_experts: bool  # must agree with classes.mlp (MoEMLP, PackedMoEMLP)
     parallel_attention: bool  # the block is core.block.ParallelDecoderBlock
     sliding_window: bool  # must agree with config_fields (sliding_window)
     scaled_embeddings: bool = False  # the client scales token embeddings by sqrt(hidden_size) (gemma)
@@ -159,8 +159,9 @@ class FamilySpec(_Strict):
         for name in REQUIRED_CONFIG_FIELDS:
             if name not in fields:
                 raise ValueError(f"config_fields must map {name!r}")
-        if f.mixture_of_experts != (self.classes.mlp == "MoEMLP"):
-            raise ValueError("features.mixture_of_experts must be true exactly when classes.mlp is MoEMLP")
+        if f.mixture_of_experts != (self.classes.mlp in MIXTURES):
+            raise ValueError(f"features.mixture_of_experts must be true exactly when classes.mlp is one of "
+                             f"{', '.join(MIXTURES)}")
         if f.mixture_of_experts and not {"num_experts", "num_experts_per_tok"} <= set(fields):
             raise ValueError("mixture_of_experts needs config_fields num_experts and num_experts_per_tok")
         if f.qk_norm and self.classes.attention != "Attention":

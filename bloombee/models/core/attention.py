@@ -27,6 +27,7 @@ class _AttentionBase(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
         self.alibi = cfg.alibi
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
         self.tree_nodes_alone = False  # batch-invariant mode: tree steps attend node by node (`attend_tree_nodes`)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,6 +73,8 @@ class _AttentionBase(nn.Module):
         q's heads are the block's heads from ``first_head`` on (an offloaded cache attends its parts apart)."""
         if self.alibi:
             return self._attend_with_alibi(q, k, v, mask, first_head)
+        if self.sinks is not None:
+            return self._attend_with_sinks(q, k, v, mask, first_head)
         if self.softcap is not None:
             return self._attend_softcapped(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale,
@@ -101,6 +104,21 @@ class _AttentionBase(nn.Module):
         scores = torch.baddbmm(bias.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=self.scale)
         scores = scores.view(b, h, T, -1).masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
         return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    def _attend_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           first_head: int) -> torch.Tensor:
+        """`attend` with attention sinks (gpt_oss): each head's learned logit joins its softmax over the scores (in
+        their dtype, its maximum subtracted first) and takes its share of the weight, then is dropped."""
+        b, h, T, _ = q.shape
+        group = h // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+        sinks = self.sinks[first_head:first_head + h].to(scores.dtype).reshape(1, h, 1, 1).expand(b, h, T, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        weights = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        return torch.matmul(weights.to(v.dtype), v)
 
     def attend_tree_nodes(self, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor, first_head: int = 0) -> torch.Tensor:

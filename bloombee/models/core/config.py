@@ -27,6 +27,7 @@ class BlockConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None
     alibi: bool = False  # attention scores biased by ALiBi slopes times key positions (bloom); set by the family
+    attention_sinks: bool = False  # a learned logit per head joins each softmax and is dropped after it (gpt_oss)
     rope_layer_type: str | None = None  # the key of this layer's rope parameters where they differ by layer (gemma3)
     qk_norm_class: str = "RMSNorm"  # the norm QKNormAttention applies to each head's queries and keys (core.norms)
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (None: head_dim's)
@@ -34,6 +35,8 @@ class BlockConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    swiglu_alpha: float = 1.702  # PackedMoEMLP's clamped SwiGLU: g * sigmoid(alpha * g) (gpt_oss)
+    swiglu_limit: float | None = None  # ... with the gate clamped to <= limit and up to [-limit, limit]
     qkv_layout: str = "separate"  # separate | interleaved | multi_query | grouped | concatenated (fused checkpoints)
     parallel_attention: bool = False
     separate_mlp_norm: bool = True  # parallel blocks: a second norm for the MLP input

@@ -1,5 +1,5 @@
-"""Feed-forward layers: gated (SwiGLU; its gate and up fused in phi3), plain GELU (falcon, bloom) and mixture of
-experts (mixtral, qwen3_moe)."""
+"""Feed-forward layers: gated (SwiGLU; its gate and up fused in phi3), plain GELU (falcon, bloom) and mixtures of
+experts (mixtral and qwen3_moe; gpt_oss's experts packed in 3-D tensors)."""
 
 from __future__ import annotations
 
@@ -86,4 +86,51 @@ class MoEMLP(nn.Module):
         return out.reshape(shape)
 
 
-MLPS = {"GatedMLP": GatedMLP, "FusedGatedMLP": FusedGatedMLP, "GeluMLP": GeluMLP, "MoEMLP": MoEMLP}
+class PackedExperts(nn.Module):
+    """All experts in 3-D tensors as gpt_oss stores them ([experts, in, out], the gate and up columns interleaved),
+    with biases, and its clamped SwiGLU: (up + 1) * g * sigmoid(alpha * g), g the gate clamped to <= limit and up to
+    [-limit, limit]."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        experts, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden, 2 * width))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * width))
+        self.down_proj = nn.Parameter(torch.zeros(experts, width, hidden))
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert `expert` on the rows x [n, hidden] routed to it."""
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[expert] + \
+            self.down_proj_bias[expert]
+
+
+class PackedMoEMLP(nn.Module):
+    """gpt_oss's mixture: a router with a bias, a softmax over the k largest router logits, PackedExperts."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = PackedExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, chosen = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
+        weights = F.softmax(logits, dim=-1, dtype=logits.dtype)
+        out = torch.zeros_like(x)
+        for e in range(self.experts.gate_up_proj.shape[0]):
+            tokens, slot = torch.where(chosen == e)
+            if tokens.numel():
+                out.index_add_(0, tokens, (self.experts(x[tokens], e) * weights[tokens, slot, None]).to(x.dtype))
+        return out.reshape(shape)
+
+
+MLPS = {"GatedMLP": GatedMLP, "FusedGatedMLP": FusedGatedMLP, "GeluMLP": GeluMLP, "MoEMLP": MoEMLP,
+        "PackedMoEMLP": PackedMoEMLP}
+MIXTURES = ("MoEMLP", "PackedMoEMLP")

@@ -12,7 +12,8 @@ import logging
 import torch
 from torch import nn
 
-from bloombee.weight_formats import NF4_BLOCK_SIZE, QuantType, linear_weight_bytes, nf4_columns, parse_quant_type
+from bloombee.weight_formats import (DEQUANTISED_ON_LOAD, NF4_BLOCK_SIZE, QuantType, linear_weight_bytes, nf4_columns,
+                                     parse_quant_type)
 
 
 class _CastNotice(logging.Filter):
@@ -59,13 +60,16 @@ def resolve_quant_type(setting: str, device: torch.device, checkpoint: QuantType
 
 
 def checkpoint_quant_type(config) -> QuantType:
-    """The precision a checkpoint was saved in: none, or bitsandbytes' int8 or nf4, which load as saved;
-    QuantizationUnsupported for any other quantisation (GPTQ, AWQ, bitsandbytes fp4, ...)."""
+    """The precision a checkpoint was saved in: none (also for MXFP4 and block-scaled float8, read dequantised), or
+    bitsandbytes' int8 or nf4, which load as saved; QuantizationUnsupported for any other quantisation (GPTQ, AWQ,
+    bitsandbytes fp4, ...)."""
     found = getattr(config, "quantization_config", None)
     if found is None:
         return "none"
     settings = found if isinstance(found, dict) else found.to_dict()
     method = settings.get("quant_method", "unknown")
+    if method in DEQUANTISED_ON_LOAD:
+        return "none"
     if method == "bitsandbytes" and settings.get("load_in_8bit"):
         return "int8"
     if method == "bitsandbytes" and settings.get("load_in_4bit") and settings.get("bnb_4bit_quant_type") == "nf4":
@@ -73,7 +77,8 @@ def checkpoint_quant_type(config) -> QuantType:
     kind = f"bitsandbytes {settings.get('bnb_4bit_quant_type', '')}" if method == "bitsandbytes" else method
     raise QuantizationUnsupported(
         f"this checkpoint is quantised as {kind}, which bloombee cannot load; it loads full-precision checkpoints "
-        f"(quantising them itself with --quant-type int8 or nf4) and bitsandbytes int8 or nf4 checkpoints")
+        f"(quantising them itself with --quant-type int8 or nf4), bitsandbytes int8 or nf4 checkpoints, and MXFP4 or "
+        f"block-scaled float8 ones (read dequantised)")
 
 
 def check_supported(quant: QuantType, device: torch.device) -> None:
