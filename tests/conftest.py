@@ -53,6 +53,16 @@ TINY_VARIANTS = {
         sliding_window=6, swiglu_limit=0.1, rope_parameters=dict(
             rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
             original_max_position_embeddings=32))),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
+    "deepseek-v3-plain": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # one query projection, rope halves
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, n_group=1, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, rope_interleave=False)),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(
         multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False)),
     "falcon-sequential": ("FalconConfig", "FalconForCausalLM", dict(
@@ -75,6 +85,9 @@ def make_tiny_model(variant: str, num_layers: int = 4, seed: int = 0, **override
         for name, p in model.named_parameters():
             if "norm" in name or "ln" in name.split(".")[-2]:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, buffer in model.named_buffers():  # and DeepSeek-V3's routing corrections
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer) * 0.1)
     return model
 
 

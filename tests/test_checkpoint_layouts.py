@@ -73,6 +73,11 @@ REAL_CONFIGS = {
     "openai/gpt-oss-120b": ("GptOssConfig", dict(
         hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
         num_local_experts=128, num_experts_per_tok=4, vocab_size=201088, sliding_window=128, tie_word_embeddings=False)),
+    "deepseek-ai/DeepSeek-V3": ("DeepseekV3Config", dict(  # first_k_dense_replace 1 (of 3): a dense and an MoE block
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
+        num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, n_group=8, topk_group=4,
+        num_experts_per_tok=8, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, tie_word_embeddings=False)),
     "google/gemma-2b": ("GemmaConfig", dict(
         hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
         vocab_size=256000, rms_norm_eps=1e-6, hidden_act="gelu", tie_word_embeddings=True)),

@@ -42,7 +42,7 @@ def greedy(stack, head, ids, steps, offload):
     return torch.cat(new, dim=1)
 
 
-@pytest.mark.parametrize("variant", ["llama", "mixtral", "bloom", "gpt-oss"])  # by head: slopes, sinks
+@pytest.mark.parametrize("variant", ["llama", "mixtral", "bloom", "gpt-oss", "deepseek-v3"])  # by head: slopes, sinks
 def test_offloaded_caches_give_the_same_hidden_states_and_tokens(variant, tiny_checkpoint):
     folder, _ = tiny_checkpoint(variant, **FOUR_KV_HEADS)
     stack, head = load_block_stack(folder, 0, 4), load_client_head(folder)

@@ -158,7 +158,7 @@ def test_new_spec_from_readme_is_exact(readme_family, tiny_checkpoint, monkeypat
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral", "qwen2-sliding", "qwen3", "mixtral", "falcon-7b",
-                                     "falcon-40b", "gemma", "gemma3", "bloom", "gpt-oss"])
+                                     "falcon-40b", "gemma", "gemma3", "bloom", "gpt-oss", "deepseek-v3"])
 def test_left_padded_batch_matches_generate(variant, tiny_checkpoint):
     folder, model = tiny_checkpoint(variant, LAYERS)
     stacks, head = load_servers(folder)
@@ -206,11 +206,12 @@ def test_longrope_rotates_a_step_past_the_original_context_with_the_long_factors
 
 
 @pytest.mark.parametrize("nodes_alone", [False, True])
-def test_an_alibi_tree_step_equals_each_branch_decoded_in_order(tiny_checkpoint, nodes_alone):
-    """ALiBi counts a key's position among the keys its query attends: a tree node's ancestors are its positions, so a
-    tree step (all nodes at once, or node by node as batch-invariant servers attend) gives each node the hidden state
-    its branch decoded token by token gives."""
-    folder, _ = tiny_checkpoint("bloom", 2)
+@pytest.mark.parametrize("variant", ["bloom", "deepseek-v3"])
+def test_a_tree_step_equals_each_branch_decoded_in_order(tiny_checkpoint, variant, nodes_alone):
+    """A tree step (all nodes at once, or node by node as batch-invariant servers attend) gives each node the hidden
+    state its branch decoded token by token gives: with ALiBi, which counts a key's position among the keys its query
+    attends (a node's ancestors), and with latent attention's cache of latents and rope keys."""
+    folder, _ = tiny_checkpoint(variant, 2)
     stack, head = load_block_stack(folder, 0, 2), load_client_head(folder)
     for block in stack.blocks:
         block.attn.tree_nodes_alone = nodes_alone

@@ -101,11 +101,11 @@ def _layer_params(config) -> int:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers]
-    return sum(p.numel() for p in layers[0][0].parameters())
+    return sum(p.numel() for p in layers[0][-1].parameters())  # the last block: DeepSeek-V3's first ones are dense
 
 
 def _configs():
-    from transformers import (BloomConfig, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GptOssConfig,
+    from transformers import (BloomConfig, DeepseekV3Config, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GptOssConfig,
                               LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
@@ -124,6 +124,9 @@ def _configs():
         "falcon-40b": FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
                                    new_decoder_architecture=True, num_kv_heads=2),
         "bloom": BloomConfig(hidden_size=64, n_layer=2, n_head=8, vocab_size=128),
+        "deepseek-v3": DeepseekV3Config(**small, moe_intermediate_size=32, n_routed_experts=4, n_group=1, topk_group=1,
+                                        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16,
+                                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
         "gpt-oss": GptOssConfig(**small, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
     }
 
@@ -155,6 +158,13 @@ def test_model_section_from_config():
         "head_dim": 8,
         "intermediate_size": 96,
     }
+
+
+def test_latent_attention_is_planned_with_the_cache_it_keeps():
+    """DeepSeek-V3's cache holds one latent (kv_lora_rank) and one rope key per token and block: the planner's
+    2 x num_key_value_heads x head_dim KV elements are those, not 2 x heads x head widths."""
+    section = model_section_from_config(_configs()["deepseek-v3"], name="deepseek")
+    assert 2 * section["num_key_value_heads"] * section["head_dim"] == 16 + 4
 
 
 def test_a_multimodal_config_is_sized_from_its_text_config():

@@ -38,7 +38,7 @@ def test_committed_specs_are_valid():
     (lambda d: d["classes"].update(mlp="SwiGLU"), r"MLP class 'SwiGLU' is not allowed; allowed: FusedGatedMLP, GatedMLP, GeluMLP"),
     (lambda d: d["classes"].update(norm="BatchNorm"), r"norm class 'BatchNorm' is not allowed; allowed: LayerNorm"),
     (lambda d: d.update(config_class="NoSuchConfig"), r"field 'config_class': 'NoSuchConfig' is not a class"),
-    (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: bloom, falcon, sparse_moe, standard"),
+    (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: bloom, deepseek, falcon, sparse_moe, standard"),
     (lambda d: d["config_fields"].update(rope_theta="rope_theta"),
      r"field 'config_fields': block config field 'rope_theta' is not allowed; allowed: "),
     (lambda d: d["weights"].update(block_prefix="model.layers."), r"'weights.block_prefix'.*must contain"),
@@ -78,5 +78,5 @@ def test_registry_maps_model_types():
     for model_type, family in [("llama", "llama"), ("mistral", "mistral"), ("qwen3", "qwen3"),
                                ("mixtral", "mixtral"), ("falcon", "falcon"), ("bloom", "bloom")]:
         assert family_for_model_type(model_type).name == family
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported model types: bloom, falcon"):
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported model types: bloom, deepseek_v3, falcon"):
         family_for_model_type("gpt2")

@@ -133,8 +133,9 @@ def test_compact_slots_moves_each_row_independently():
     assert torch.equal(tensor[3], original[3])
 
 
-def test_kv_cache_compact_moves_keys_and_values_of_the_rows():
-    cache = KVCache(3, 2, 8, 4)
+@pytest.mark.parametrize("value_dim", [None, 6])  # 6: values of another width (latent attention's latents)
+def test_kv_cache_compact_moves_keys_and_values_of_the_rows(value_dim):
+    cache = KVCache(3, 2, 8, 4, value_dim=value_dim)
     cache.k.copy_(torch.randn_like(cache.k))
     cache.v.copy_(torch.randn_like(cache.v))
     k, v = cache.k.clone(), cache.v.clone()

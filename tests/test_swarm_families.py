@@ -18,6 +18,7 @@ FAMILIES = {  # tiny variant -> the servers' extra flags
     "gemma3": (),
     "bloom": ("--offload", "0.5"),  # ALiBi slopes of the heads in host memory
     "gpt-oss": ("--offload", "0.5"),  # attention sinks of the heads in host memory
+    "deepseek-v3": ("--offload", "0.5"),  # the latent cache (one head) in host memory
 }
 SERVERS = {"a": "0:3", "b": "3:6", "spare": "3:6", "c": "6:8"}
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35]])

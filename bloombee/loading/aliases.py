@@ -44,6 +44,8 @@ ALIASES: dict[str, str] = {
     "bloom-560m": "bigscience/bloom-560m",
     "bloom-7b1": "bigscience/bloom-7b1",
     "bloomz-7b1": "bigscience/bloomz-7b1",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "deepseek-r1": "deepseek-ai/DeepSeek-R1",
     "gpt-oss-20b": "openai/gpt-oss-20b",
     "gpt-oss-120b": "openai/gpt-oss-120b",
     "bloombee-tiny": PACKAGE_ASSET + "bloombee-tiny",

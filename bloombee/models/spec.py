@@ -21,7 +21,7 @@ CLASS_CHOICES = {"attention": (ATTENTIONS, "attention class"), "mlp": (MLPS, "ML
                  "norm": (NORMS, "norm class")}
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_heads", "norm_eps")
 # block-config fields a spec may not read from the config: its config adapter or its features set them
-DERIVED_FIELDS = ("separate_mlp_norm", "rope_layer_type", "alibi")
+DERIVED_FIELDS = ("separate_mlp_norm", "rope_layer_type", "alibi", "attn_scale")
 
 
 class SpecError(ValueError):

@@ -2,7 +2,8 @@
 
 The config is resolved by ``bloombee.loading.load_model_config`` (alias, hub id or local folder).
 From it: L = num_hidden_layers, H = hidden_size, the KV elements per token per block = 2 x num_kv_heads x
-head_dim, and the parameters of one block: block 0 as BloomBee serves it, built by its family on PyTorch's meta
+head_dim as a block caches them (latent attention's one latent and one rope key: one KV head of their mean width),
+and the parameters of one block: the last block as BloomBee serves it, built by its family on PyTorch's meta
 device (no memory, no weights), its parameters counted, and its nn.Linear layers' weights and output rows (what
 int8 / nf4 quantisation shrinks: ``linear_params_per_block``, ``linear_rows_per_block``; biases and norms stay in
 the dtype). The byte figures follow from the workload's dtype.
@@ -44,10 +45,10 @@ def model_section_from_config(config: Any, name: str | None = None) -> dict[str,
             f"config of '{name}' lacks num_hidden_layers / hidden_size / num_attention_heads; "
             "give the model explicitly in the input file"
         )
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = _kv_heads(config, heads)
     intermediate = _first(config, "intermediate_size", "ffn_hidden_size", "n_inner") or 4 * hidden
-    params, linear, rows = block_counts(config)
+    block, block_config = _served_block(config)
+    params, linear, rows = _counts(block)
+    kv_heads, key_dim, value_dim = block_config.cache_layout
     return {
         "name": name or getattr(config, "_name_or_path", None) or getattr(config, "model_type", None) or "model",
         "num_blocks": int(layers),
@@ -56,7 +57,7 @@ def model_section_from_config(config: Any, name: str | None = None) -> dict[str,
         "linear_params_per_block": int(linear),
         "linear_rows_per_block": int(rows),
         "num_key_value_heads": int(kv_heads),
-        "head_dim": int(head_dim),
+        "head_dim": -(-(key_dim + value_dim) // 2),
         "intermediate_size": int(intermediate),
     }
 
@@ -65,8 +66,9 @@ def load_model_section(name_or_path: str) -> dict[str, Any]:
     return model_section_from_config(load_config(name_or_path), name=name_or_path)
 
 
-def block_counts(config: Any) -> tuple[int, int, int]:
-    """(parameters, nn.Linear weights, their output rows) of block 0 as its family builds it, on the meta device."""
+def _served_block(config: Any):
+    """The model's last block as its family builds it, on the meta device, and its BlockConfig: the planner's block
+    (where blocks differ, as DeepSeek-V3's first dense ones from its mixtures, the last is of the many)."""
     import torch  # noqa: PLC0415
 
     from bloombee.models import family_for_config  # noqa: PLC0415
@@ -77,17 +79,22 @@ def block_counts(config: Any) -> tuple[int, int, int]:
     except ValueError as error:
         raise ModelConfigError(f"{error} Give params_per_block in the input file's model section.") from None
     with torch.device("meta"):
-        block = BlockStack(family, config, 0, 1).blocks[0]
+        last = config.num_hidden_layers
+        stack = BlockStack(family, config, last - 1, last)
+    return stack.blocks[0], stack.block_configs[0]
+
+
+def block_counts(config: Any) -> tuple[int, int, int]:
+    """(parameters, nn.Linear weights, their output rows) of the planner's block (`_served_block`)."""
+    return _counts(_served_block(config)[0])
+
+
+def _counts(block) -> tuple[int, int, int]:
+    import torch  # noqa: PLC0415
+
     linears = [module for module in block.modules() if isinstance(module, torch.nn.Linear)]
     return (sum(p.numel() for p in block.parameters()), sum(m.weight.numel() for m in linears),
             sum(m.out_features for m in linears))
-
-
-def _kv_heads(config: Any, heads: int) -> int:
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        return 1  # falcon-7b style multi-query attention: one K and one V head
-    kv = _first(config, "num_key_value_heads", "num_kv_heads")
-    return int(kv or heads)
 
 
 def _first(config: Any, *names: str):

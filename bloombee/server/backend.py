@@ -77,9 +77,10 @@ class BlockBackend:
         item = self.dtype.itemsize
         device = host = 0
         for cfg in self.stack.block_configs[start_block - self.start:end_block - self.start]:
-            head_bytes = 2 * batch_size * max_length * cfg.head_dim * item  # K and V of one KV head
-            host_heads = host_kv_heads(offload, cfg.num_kv_heads)
-            device += head_bytes * (cfg.num_kv_heads - host_heads)
+            heads, key_dim, value_dim = cfg.cache_layout
+            head_bytes = batch_size * max_length * (key_dim + value_dim) * item  # K and V of one KV head
+            host_heads = host_kv_heads(offload, heads)
+            device += head_bytes * (heads - host_heads)
             host += head_bytes * host_heads
         host += batch_size * max_length * (self.hidden_size * item + torch.bool.itemsize)
         return SessionBytes(device, host)

@@ -81,7 +81,7 @@ def blocks_that_fit(config, dtype: torch.dtype, quant: QuantType, room: int, cac
     with torch.device("meta"):
         block = family.block_class(block_config, 0)
     weights = planned_weight_bytes(block, quant, dtype.itemsize)
-    kv = 2 * cache_tokens * block_config.num_kv_heads * block_config.head_dim * dtype.itemsize
+    kv = cache_tokens * block_config.kv_elements_per_token * dtype.itemsize
     count = min(room // (weights + kv), config.num_hidden_layers)
     if count < 1:
         raise WeightsDoNotFit(f"one block with the KV cache of --cache-tokens {cache_tokens} takes "

@@ -63,8 +63,9 @@ def _attention_ms(backend: BlockBackend, batch: int, seq_len: int, offload: floa
     cfg, attention = backend.stack.block_configs[0], backend.stack.blocks[0].attn
     cache = backend.stack.new_caches(batch, seq_len, (backend.start, backend.start + 1), offload)[0]
     options = {"device": backend.device, "dtype": backend.dtype}
-    q = torch.randn(batch, cfg.num_heads, 1, cfg.head_dim, **options)
-    k, v = (torch.randn(batch, cfg.num_kv_heads, 1, cfg.head_dim, **options) for _ in range(2))
+    heads, key_dim, value_dim = cfg.cache_layout
+    q = torch.randn(batch, cfg.num_heads, 1, cfg.query_dim, **options)
+    k, v = (torch.randn(batch, heads, 1, width, **options) for width in (key_dim, value_dim))
 
     def attend(length: int) -> list[float]:
         positions = torch.tensor([length - 1], device=backend.device)

@@ -168,7 +168,7 @@ class Server:
         if self.planned_offload is not None:
             return self.planned_offload
         full = backend.session_bytes(backend.start, backend.end, 1, self.settings.cache_tokens, offload=0.0)
-        kv_heads = backend.stack.block_configs[0].num_kv_heads
+        kv_heads = backend.stack.block_configs[0].cache_layout[0]
         return float(offload_fraction(self._room_for_sessions(backend), full.device, kv_heads))
 
     def _session_budget(self) -> MemoryBudget:

@@ -13,8 +13,11 @@ from torch import nn
 from bloombee.models.core.config import BlockConfig
 from bloombee.models.core.masks import causal_mask, sliding_window_mask
 from bloombee.models.core.packing import Cache, Segment, segment_slices
-from bloombee.models.core.norms import NORMS
+from bloombee.models.core.norms import NORMS, RMSNorm
 from bloombee.models.core.rotary import apply_rotary
+
+
+LATENT_NORM_EPS = 1e-6  # latent attention's q and kv norms (transformers builds them with the default eps)
 
 
 class _AttentionBase(nn.Module):
@@ -24,7 +27,7 @@ class _AttentionBase(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.sliding_window = cfg.sliding_window
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.scale = cfg.attn_scale or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
         self.alibi = cfg.alibi
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
@@ -39,13 +42,18 @@ class _AttentionBase(nn.Module):
         """Packed x [N, H] of `segments` (each with its cache of this block, or None) -> [N, H]."""
         q, k, v = self.project(x)
         if cos is not None:
-            q, k = apply_rotary(q, k, cos, sin)
+            q, k = self.rotate(q, k, cos, sin)
         outputs = []
         for segment, cache, part in zip(segments, caches, segment_slices(segments)):
             q_s, k_s, v_s = (t[part].unflatten(0, (segment.rows, segment.tokens)).transpose(1, 2) for t in (q, k, v))
             out = self._attend_segment(q_s, k_s, v_s, segment, cache)
-            outputs.append(out.transpose(1, 2).reshape(segment.size, self.num_heads * self.head_dim))
+            outputs.append(out.transpose(1, 2).reshape(segment.size, -1))
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, h, d], k [N, kv, d] rotated by their positions' cos, sin [N, d_rot]."""
+        return apply_rotary(q, k, cos, sin)
 
     def _attend_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: Segment,
                         cache: Cache | None) -> torch.Tensor:
@@ -125,15 +133,15 @@ class _AttentionBase(nn.Module):
         """`attend` of a tree step's nodes (slots from `start`) one at a time, each over its row's slots before the
         tree and its own ancestors' (itself included) in order: the keys, values and mask a token decoded alone at
         its depth attends, so that it gets that token's bits."""
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
         prefix = torch.arange(start, device=q.device)
-        for row in range(q.shape[0]):
-            for node in range(q.shape[2]):
-                slots = torch.cat([prefix, mask[row, node, start:].nonzero().squeeze(1) + start])
-                out[row, :, node] = self.attend(q[row:row + 1, :, node:node + 1], k[row:row + 1, :, slots],
-                                                v[row:row + 1, :, slots], mask[row:row + 1, node:node + 1, slots],
-                                                first_head)[0, :, 0]
-        return out
+
+        def alone(row: int, node: int) -> torch.Tensor:
+            slots = torch.cat([prefix, mask[row, node, start:].nonzero().squeeze(1) + start])
+            return self.attend(q[row:row + 1, :, node:node + 1], k[row:row + 1, :, slots], v[row:row + 1, :, slots],
+                               mask[row:row + 1, node:node + 1, slots], first_head)[0, :, 0]
+
+        return torch.stack([torch.stack([alone(row, node) for node in range(q.shape[2])], dim=1)
+                            for row in range(q.shape[0])])
 
 
 @lru_cache
@@ -226,4 +234,56 @@ class FusedQKVAttention(_AttentionBase):
         return q, k, v
 
 
-ATTENTIONS = {"Attention": Attention, "FusedQKVAttention": FusedQKVAttention}
+class LatentAttention(_AttentionBase):
+    """Multi-head latent attention (deepseek_v3): queries through an optional low-rank bottleneck; per token one
+    normed latent (kv_lora_rank wide) and one rope key shared by all heads, which are what the KV cache holds (as
+    its keys the rope keys, as its values the latents); each attention expands the latents through kv_b_proj into
+    every head's key part without position and its value."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__(cfg)
+        hidden, heads, rank = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+        self.nope, self.rope, self.value_dim, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, rank
+        self.interleaved, self.low_rank_queries = cfg.rope_interleave, bool(cfg.q_lora_rank)
+        if self.low_rank_queries:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.query_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, heads * cfg.query_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, rank + self.rope, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(rank, heads * (self.nope + self.value_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.value_dim, hidden, bias=cfg.attention_bias)
+
+    def project(self, x):
+        """x [N, H] -> q [N, h, nope + rope], the rope key [N, 1, rope] and the latent [N, 1, rank]."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_queries else self.q_proj(x)
+        latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], -1)
+        return q.unflatten(-1, (self.num_heads, -1)), rope_key[:, None], self.kv_a_layernorm(latent)[:, None]
+
+    def rotate(self, q, k, cos, sin):
+        """The queries' rope parts and the rope keys rotated, in adjacent pairs where the config interleaves them
+        (the rotated pairs' first and second halves then stand apart, in queries and keys alike)."""
+        q_pass, q_rot = q.split([self.nope, self.rope], -1)
+        if not self.interleaved:
+            q_rot, k = apply_rotary(q_rot, k, cos, sin)
+            return torch.cat([q_pass, q_rot], -1), k
+        cos, sin = cos[:, None, :self.rope // 2], sin[:, None, :self.rope // 2]
+
+        def pairs(x: torch.Tensor) -> torch.Tensor:
+            even, odd = x[..., 0::2], x[..., 1::2]
+            return torch.cat([even * cos - odd * sin, odd * cos + even * sin], -1)
+
+        return torch.cat([q_pass, pairs(q_rot)], -1), pairs(k)
+
+    def attend(self, q, k, v, mask, first_head=0):
+        """q [b, h, T, nope + rope] over the cached rope keys k [b, 1, S, rope] and latents v [b, 1, S, rank]."""
+        heads = q.shape[1]
+        expanded = self.kv_b_proj(v[:, 0]).unflatten(-1, (self.num_heads, -1))[:, :, first_head:first_head + heads]
+        keys_nope, values = expanded.transpose(1, 2).split([self.nope, self.value_dim], -1)
+        keys = torch.cat([keys_nope, k.expand(-1, heads, -1, -1)], -1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.scale)
+
+
+ATTENTIONS = {"Attention": Attention, "FusedQKVAttention": FusedQKVAttention, "LatentAttention": LatentAttention}

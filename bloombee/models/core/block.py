@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from bloombee.models.core.config import BlockConfig
+from bloombee.models.core.mlp import layer_mlp
 from bloombee.models.core.packing import Cache, Segment
 
 
@@ -29,7 +30,7 @@ class DecoderBlock(nn.Module):
         self.attn_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
         self.attn = self.attention_class(cfg)
         self.mlp_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps) if cfg.separate_mlp_norm else None
-        self.mlp = self.mlp_class(cfg)
+        self.mlp = layer_mlp(self.mlp_class, cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 segments: Sequence[Segment], caches: Sequence[Cache | None]) -> torch.Tensor:

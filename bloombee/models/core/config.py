@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bloombee.models.core.rotary import rope_layer_types
+from bloombee.models.core.rotary import rope_layer_types, rope_parameters
 
 
 @dataclass
@@ -28,6 +28,14 @@ class BlockConfig:
     sliding_window: int | None = None
     alibi: bool = False  # attention scores biased by ALiBi slopes times key positions (bloom); set by the family
     attention_sinks: bool = False  # a learned logit per head joins each softmax and is dropped after it (gpt_oss)
+    attn_scale: float | None = None  # the scores' scale where an adapter derives it (deepseek_v3: YaRN's mscale)
+    # multi-head latent attention (deepseek_v3) where kv_lora_rank is set: the cache holds a latent and a rope key
+    q_lora_rank: int | None = None  # queries through a rank-r bottleneck (None: one projection)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False  # the rope dimensions rotate in adjacent pairs (deepseek_v3)
     rope_layer_type: str | None = None  # the key of this layer's rope parameters where they differ by layer (gemma3)
     qk_norm_class: str = "RMSNorm"  # the norm QKNormAttention applies to each head's queries and keys (core.norms)
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (None: head_dim's)
@@ -37,6 +45,11 @@ class BlockConfig:
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
     swiglu_alpha: float = 1.702  # PackedMoEMLP's clamped SwiGLU: g * sigmoid(alpha * g) (gpt_oss)
     swiglu_limit: float | None = None  # ... with the gate clamped to <= limit and up to [-limit, limit]
+    # GroupLimitedMoEMLP (deepseek_v3): sigmoid scores, experts chosen within the best groups, shared experts
+    num_shared_experts: int = 0
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
     qkv_layout: str = "separate"  # separate | interleaved | multi_query | grouped | concatenated (fused checkpoints)
     parallel_attention: bool = False
     separate_mlp_norm: bool = True  # parallel blocks: a second norm for the MLP input
@@ -54,6 +67,34 @@ class BlockConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.output_bias is None:
             self.output_bias = self.attention_bias
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention: the KV cache holds per token one latent and one rope key for all heads."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def query_dim(self) -> int:
+        """Width of one head's query (and key)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width of the rotated part of a head (the whole head but in latent attention)."""
+        return self.qk_rope_head_dim if self.latent else self.head_dim
+
+    @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of the KV cache; latent attention's "keys" are its rope keys and its
+        "values" its latents."""
+        if self.latent:
+            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        heads, key, value = self.cache_layout
+        return heads * (key + value)
 
 
 BLOCK_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(BlockConfig))
@@ -112,8 +153,19 @@ def bloom_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
     return cfg
 
 
+def deepseek_adapter(hf_config, cfg: BlockConfig, layer_index: int) -> BlockConfig:
+    """DeepSeek-V3: its first first_k_dense_replace layers have a dense MLP of intermediate_size (no experts), and
+    the scores scale by (qk_nope + qk_rope)^-1/2 times YaRN's mscale squared where the rope is YaRN."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    if layer_index < getattr(hf_config, "first_k_dense_replace", 0):
+        cfg.num_experts, cfg.intermediate_size = 0, hf_config.intermediate_size
+    cfg.attn_scale = yarn_apply_mscale(rope_parameters(hf_config), cfg.query_dim ** -0.5)
+    return standard_adapter(hf_config, cfg, layer_index)
+
+
 CONFIG_ADAPTERS = {"standard": standard_adapter, "falcon": falcon_adapter, "sparse_moe": sparse_moe_adapter,
-                   "bloom": bloom_adapter}
+                   "bloom": bloom_adapter, "deepseek": deepseek_adapter}
 
 
 def read_config_field(hf_config, attribute: str, field: str, defaults: dict, family: str):

@@ -23,7 +23,8 @@ def compact_slots(tensor: torch.Tensor, slot_dim: int, start: int, keep: list[to
 
 
 class KVCache:
-    """Keys and values of one block for a whole batch: tensors ``[batch, kv_heads, max_length, head_dim]``.
+    """Keys and values of one block for a whole batch: tensors ``[batch, kv_heads, max_length, head_dim]`` (the
+    values ``value_dim`` wide where that differs: latent attention's).
 
     ``update`` writes the new keys/values of rows ``[batch_offset, batch_offset + b)`` at
     ``cache_positions`` and returns those rows' readable prefix, slots ``[0, length)``; ``attend``
@@ -31,10 +32,12 @@ class KVCache:
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", pin_memory: bool = False):
-        shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", pin_memory: bool = False,
+                 value_dim: int | None = None):
+        shape = (batch_size, num_kv_heads, max_length)
+        options = dict(dtype=dtype, device=device, pin_memory=pin_memory)
+        self.k = torch.zeros(*shape, head_dim, **options)
+        self.v = torch.zeros(*shape, value_dim or head_dim, **options)
 
     @property
     def batch_size(self) -> int:

@@ -3,6 +3,8 @@ experts (mixtral and qwen3_moe; gpt_oss's experts packed in 3-D tensors)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,6 +133,64 @@ class PackedMoEMLP(nn.Module):
         return out.reshape(shape)
 
 
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's routing, in float32: sigmoid scores; experts chosen by score plus a correction bias, among the
+    experts of the topk_groups groups whose two best biased scores sum highest; weighted by their unbiased scores,
+    renormalised (with norm_topk_prob) and scaled by routed_scaling."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.top_k, self.groups, self.topk_groups = cfg.num_experts_per_tok, cfg.num_expert_groups, cfg.topk_groups
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] float32, chosen experts [N, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.e_score_correction_bias.float()
+        by_group = biased.unflatten(-1, (self.groups, -1))
+        best_groups = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_groups, dim=-1, sorted=False)[1]
+        in_best = torch.zeros_like(by_group[..., 0]).scatter_(1, best_groups, 1).bool()
+        biased = by_group.masked_fill(~in_best[..., None], float("-inf")).flatten(1)
+        chosen = biased.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
+
+
+class GroupLimitedMoEMLP(nn.Module):
+    """DeepSeek-V3's mixture: GatedMLP experts chosen by a GroupLimitedRouter, plus shared experts (one GatedMLP
+    num_shared_experts times an expert's width) that every token passes through."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.router = GroupLimitedRouter(cfg)
+        self.experts = nn.ModuleList(GatedMLP(cfg) for _ in range(cfg.num_experts))
+        shared = cfg.intermediate_size * cfg.num_shared_experts
+        self.shared_experts = GatedMLP(dataclasses.replace(cfg, intermediate_size=shared))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.router(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tokens, slot = torch.where(chosen == e)
+            if tokens.numel():
+                out.index_add_(0, tokens, (expert(x[tokens]) * weights[tokens, slot, None]).to(x.dtype))
+        return (out + self.shared_experts(x)).reshape(shape)
+
+
 MLPS = {"GatedMLP": GatedMLP, "FusedGatedMLP": FusedGatedMLP, "GeluMLP": GeluMLP, "MoEMLP": MoEMLP,
-        "PackedMoEMLP": PackedMoEMLP}
-MIXTURES = ("MoEMLP", "PackedMoEMLP")
+        "PackedMoEMLP": PackedMoEMLP, "GroupLimitedMoEMLP": GroupLimitedMoEMLP}
+MIXTURES = ("MoEMLP", "PackedMoEMLP", "GroupLimitedMoEMLP")
+
+
+def layer_mlp(mlp_class: type[nn.Module], cfg: BlockConfig) -> nn.Module:
+    """The family's MLP for a layer; a GatedMLP where a mixture family's config gives the layer no experts
+    (DeepSeek-V3's first layers)."""
+    if mlp_class.__name__ in MIXTURES and not cfg.num_experts:
+        return GatedMLP(cfg)
+    return mlp_class(cfg)

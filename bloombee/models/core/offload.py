@@ -35,15 +35,15 @@ class OffloadedKVCache:
     """One block's cache with its last ``host_heads`` KV heads in host memory; ``attend`` as ``KVCache.attend``."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, host_heads: int):
+                 device: torch.device | str, host_heads: int, value_dim: int | None = None):
         if not 0 < host_heads <= num_kv_heads:
             raise ValueError(f"host_heads must be in [1, {num_kv_heads}], got {host_heads}")
         self.device = torch.device(device)
         self.num_kv_heads, self.device_heads = num_kv_heads, num_kv_heads - host_heads
-        self.on_device = KVCache(batch_size, self.device_heads, max_length, head_dim, dtype, self.device) \
-            if self.device_heads else None
+        self.on_device = KVCache(batch_size, self.device_heads, max_length, head_dim, dtype, self.device,
+                                 value_dim=value_dim) if self.device_heads else None
         self.in_host = KVCache(batch_size, host_heads, max_length, head_dim, dtype, "cpu",
-                               pin_memory=self.device.type == "cuda")
+                               pin_memory=self.device.type == "cuda", value_dim=value_dim)
 
     @property
     def batch_size(self) -> int:

@@ -35,7 +35,7 @@ class BlockStack(nn.Module):
     def reset_buffers(self, device: torch.device | str = "cpu") -> None:
         """(Re)create non-persistent buffers (rotary frequencies), e.g. after building on the meta device."""
         with torch.device(device):
-            head_dim = self.block_configs[0].head_dim
+            head_dim = self.block_configs[0].rotary_dim
             kinds = dict.fromkeys(cfg.rope_layer_type for cfg in self.block_configs) if self.family.rotary else {}
             # one per rope layer type among the blocks (None: the config's one); a plain dict, not submodules, so
             # that the frequencies stay in float32 on this device whatever the blocks are cast to
@@ -66,9 +66,11 @@ class BlockStack(nn.Module):
         lo, hi = self.local_range(block_range)
         caches = []
         for cfg in self.block_configs[lo:hi]:
-            host_heads = host_kv_heads(offload, cfg.num_kv_heads)
-            shape = (batch_size, cfg.num_kv_heads, max_length, cfg.head_dim, self.dtype, self.device)
-            caches.append(OffloadedKVCache(*shape, host_heads) if host_heads else KVCache(*shape))
+            heads, key_dim, value_dim = cfg.cache_layout
+            host_heads = host_kv_heads(offload, heads)
+            shape = (batch_size, heads, max_length, key_dim, self.dtype, self.device)
+            caches.append(OffloadedKVCache(*shape, host_heads, value_dim=value_dim) if host_heads
+                          else KVCache(*shape, value_dim=value_dim))
         return caches
 
     def forward(self, hidden: torch.Tensor, rope_positions: torch.Tensor, caches: list[KVCache] | None,
