@@ -6,7 +6,7 @@ import pytest
 import torch
 
 # variant -> (transformers config class, model class, config kwargs); hidden 64, 4 heads, fp32
-_COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=4,
+TINY_COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=4,
                max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 TINY_VARIANTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, num_key_value_heads=4)),
@@ -77,7 +77,7 @@ def make_tiny_model(variant: str, num_layers: int = 4, seed: int = 0, **override
     import transformers
 
     config_cls, model_cls, kwargs = TINY_VARIANTS[variant]
-    kwargs = {**_COMMON, **kwargs, "num_hidden_layers": num_layers, **overrides}
+    kwargs = {**TINY_COMMON, **kwargs, "num_hidden_layers": num_layers, **overrides}
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
@@ -88,6 +88,24 @@ def make_tiny_model(variant: str, num_layers: int = 4, seed: int = 0, **override
         for name, buffer in model.named_buffers():  # and DeepSeek-V3's routing corrections
             if name.endswith("e_score_correction_bias"):
                 buffer.add_(torch.randn_like(buffer) * 0.1)
+    return model
+
+
+def make_tiny_multimodal_gemma3(num_layers: int = 4, seed: int = 0):
+    """A random Gemma3ForConditionalGeneration (as gemma-3-4b..27b) whose text model is the gemma3 variant's."""
+    import transformers
+
+    text = {**TINY_COMMON, **TINY_VARIANTS["gemma3"][2], "num_hidden_layers": num_layers}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=127, boi_token_index=125, eoi_token_index=126)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
     return model
 
 

@@ -7,11 +7,11 @@ import torch
 import transformers
 from transformers.core_model_loading import revert_weight_conversion
 
-from bloombee.loading import CheckpointReader, load_block_stack, load_client_head
-from bloombee.models import family_for_config
+from bloombee.loading import CheckpointReader, dht_prefix, load_block_stack, load_client_head
+from bloombee.models import family_for_config, served_config
 from bloombee.models.core.masks import stateless_causal_mask
 from bloombee.models.core.stack import BlockStack, ClientHead
-from conftest import make_tiny_model
+from conftest import make_tiny_model, make_tiny_multimodal_gemma3
 
 # the shapes that matter of real hub models' config.json (layers cut to 2 below)
 REAL_CONFIGS = {
@@ -124,3 +124,48 @@ def test_a_checkpoint_saved_from_the_base_model_loads_and_generates_as_the_full_
     with torch.no_grad():
         hidden = stack(head.embed(ids), positions[None], None, positions, stateless_causal_mask(5))
         assert torch.equal(head.logits(hidden), model(ids).logits)
+
+
+GEMMA3_27B_TEXT = dict(hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
+                       head_dim=128, vocab_size=262208, query_pre_attn_scalar=168, sliding_window=1024)
+
+
+def test_a_multimodal_checkpoints_text_model_is_what_the_servers_and_the_client_read():
+    """google/gemma-3-27b-it is multimodal (Gemma3Config): its text model's tensors, which its checkpoint keeps under
+    language_model., are read one to one; the vision tower's by nobody."""
+    config = transformers.Gemma3Config(text_config={**GEMMA3_27B_TEXT, "num_hidden_layers": 2})
+    text = served_config(config)
+    assert text is config.text_config
+    family = family_for_config(text)
+    with torch.device("meta"):
+        reference = transformers.Gemma3ForConditionalGeneration(config)
+        checkpoint = shapes(revert_weight_conversion(reference, reference.state_dict()))
+        blocks = shapes(BlockStack(family, text, 0, 2).state_dict())
+        head = shapes(ClientHead(family, text).state_dict())
+    read_by_blocks, read_by_head = {}, {}
+    for name, shape in checkpoint.items():
+        targets = [f"blocks.{index}.{local}" for index in range(2)
+                   if (local := family.block_tensor_name(name, index)) is not None]
+        local_head = family.head_tensor_name(name)
+        if not name.startswith("language_model."):
+            assert not targets and local_head is None, name
+        elif targets:
+            read_by_blocks[targets[0]] = shape
+        else:
+            read_by_head[local_head] = shape
+    assert read_by_blocks == blocks
+    assert read_by_head == head
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
+    """A multimodal gemma-3 folder: servers and client load its text model, which gives the multimodal model's logits
+    for a text prompt; its DHT prefix is its name, as any model's."""
+    model = make_tiny_multimodal_gemma3(num_layers=2)
+    model.save_pretrained(tmp_path)
+    assert dht_prefix(tmp_path) == tmp_path.name
+    stack, head = load_block_stack(tmp_path, 0, 2), load_client_head(tmp_path)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7]])
+    positions = torch.arange(6)
+    with torch.no_grad():
+        hidden = stack(head.embed(ids), positions[None], None, positions, stateless_causal_mask(6))
+        assert (head.logits(hidden) - model(input_ids=ids).logits).abs().max() <= 1e-4

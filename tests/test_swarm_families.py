@@ -2,11 +2,13 @@
 model's, for a single prompt longer-lived than any sliding window, a left-padded batch in micro-batches with
 compression, and across a server killed mid-generation."""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import StoppingCriteriaList
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, make_tiny_multimodal_gemma3
 from swarm_support import NUM_BLOCKS, KillServerAt, client, reference, serving
 
 FAMILIES = {  # tiny variant -> the servers' extra flags
@@ -19,7 +21,9 @@ FAMILIES = {  # tiny variant -> the servers' extra flags
     "bloom": ("--offload", "0.5"),  # ALiBi slopes of the heads in host memory
     "gpt-oss": ("--offload", "0.5"),  # attention sinks of the heads in host memory
     "deepseek-v3": ("--offload", "0.5"),  # the latent cache (one head) in host memory
+    "gemma3-multimodal": (),  # its text model served; the reference is the whole multimodal model
 }
+BUILDERS = {"gemma3-multimodal": make_tiny_multimodal_gemma3}
 SERVERS = {"a": "0:3", "b": "3:6", "spare": "3:6", "c": "6:8"}
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35]])
 NEW_TOKENS = 24  # past the sliding windows of qwen2-sliding, gemma2, gemma3, gpt-oss (6 slots) and phi3 (8)
@@ -28,7 +32,8 @@ NEW_TOKENS = 24  # past the sliding windows of qwen2-sliding, gemma2, gemma3, gp
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def swarm(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("model") / request.param
-    make_tiny_model(request.param, num_layers=NUM_BLOCKS, seed=2).save_pretrained(folder)
+    build = BUILDERS.get(request.param, partial(make_tiny_model, request.param))
+    build(num_layers=NUM_BLOCKS, seed=2).save_pretrained(folder)
     with serving(folder, tmp_path_factory, SERVERS, "--dtype", "float32", *FAMILIES[request.param]) as swarm:
         yield swarm
 

@@ -100,7 +100,10 @@ def _download(repo_id: str, weights: bool | list[str]) -> Path:
 
 
 def load_model_config(name_or_path: str | os.PathLike):
-    """The transformers config of a model (folder, hub id or alias)."""
+    """The transformers config of a model (folder, hub id or alias): of its text model where BloomBee serves only that
+    (``bloombee.models.served_config``)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(resolve_model(name_or_path, weights=False)))
+    from bloombee.models import served_config
+
+    return served_config(AutoConfig.from_pretrained(str(resolve_model(name_or_path, weights=False))))

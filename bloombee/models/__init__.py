@@ -43,4 +43,12 @@ def family_for_config(config) -> Family:
     return family_for_model_type(config.model_type)
 
 
-__all__ = ["Family", "families", "family_for_config", "family_for_model_type"]
+def served_config(config):
+    """``config``, or its text model's config where BloomBee serves that and not the whole model (gemma-3-4b and up:
+    multimodal, their text model's tensors under the family's ``weights.multimodal_prefix``)."""
+    types = {model_type for family in families().values() for model_type in family.model_types}
+    text = config.get_text_config()
+    return text if config.model_type not in types and text is not config and text.model_type in types else config
+
+
+__all__ = ["Family", "families", "family_for_config", "family_for_model_type", "served_config"]

@@ -67,6 +67,7 @@ class Weights(_Strict):
     block: dict[str, str]
     head: dict[str, str]
     base_prefix: str = ""  # the names' prefix a checkpoint saved from the base model leaves out (bloom's)
+    multimodal_prefix: str = ""  # where a multimodal model's checkpoint keeps the text model's tensors (gemma3)
 
     @field_validator("block_prefix")
     @classmethod

@@ -6,10 +6,11 @@ from bloombee.models.core.family import Family
 
 from .block import BloomBlock
 from .config import DEFAULTS, FIELDS
-from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES
+from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES, MULTIMODAL_PREFIX
 
 FAMILY = Family(name='bloom', model_types=('bloom',), config_class='BloomConfig',
                 reference_model_class='BloomForCausalLM', block_class=BloomBlock, rotary=False, config_fields=FIELDS,
                 config_defaults=DEFAULTS, config_adapter='bloom', block_prefix=BLOCK_PREFIX,
                 block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}',
-                scaled_embeddings=False, embedding_norm=True, alibi=True, base_prefix=BASE_PREFIX)
+                scaled_embeddings=False, embedding_norm=True, alibi=True, base_prefix=BASE_PREFIX,
+                multimodal_prefix=MULTIMODAL_PREFIX)

@@ -43,6 +43,7 @@ class Family:
     embedding_norm: bool = False  # the client normalises token embeddings (its head module embed_norm.)
     alibi: bool = False  # attention biased by ALiBi instead of rotary positions
     base_prefix: str = ""  # the base model's prefix: checkpoints saved from the base model lack it (bloom's)
+    multimodal_prefix: str = ""  # where a multimodal model's checkpoint keeps this text model's tensors (gemma3)
     _block_patterns: list = field(init=False, repr=False)
     _head_patterns: list = field(init=False, repr=False)
 
@@ -58,7 +59,10 @@ class Family:
         return cfg
 
     def _spellings(self, checkpoint_name: str) -> tuple[str, ...]:
-        """The name as saved, and with the base model's prefix where a base-model checkpoint leaves it out."""
+        """The name as saved; with the base model's prefix where a base-model checkpoint leaves it out; without the
+        multimodal prefix where a multimodal checkpoint adds it."""
+        if self.multimodal_prefix and checkpoint_name.startswith(self.multimodal_prefix):
+            return (checkpoint_name.removeprefix(self.multimodal_prefix),)
         if not self.base_prefix or checkpoint_name.startswith(self.base_prefix):
             return (checkpoint_name,)
         return checkpoint_name, self.base_prefix + checkpoint_name

@@ -6,10 +6,11 @@ from bloombee.models.core.family import Family
 
 from .block import DeepseekV3Block
 from .config import DEFAULTS, FIELDS
-from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES
+from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES, MULTIMODAL_PREFIX
 
 FAMILY = Family(name='deepseek_v3', model_types=('deepseek_v3',), config_class='DeepseekV3Config',
                 reference_model_class='DeepseekV3ForCausalLM', block_class=DeepseekV3Block, rotary=True,
                 config_fields=FIELDS, config_defaults=DEFAULTS, config_adapter='deepseek', block_prefix=BLOCK_PREFIX,
                 block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}',
-                scaled_embeddings=False, embedding_norm=False, alibi=False, base_prefix=BASE_PREFIX)
+                scaled_embeddings=False, embedding_norm=False, alibi=False, base_prefix=BASE_PREFIX,
+                multimodal_prefix=MULTIMODAL_PREFIX)

@@ -5,6 +5,8 @@
 BLOCK_PREFIX = 'transformer.h.{index}.'
 # what a checkpoint saved from the base model leaves out of every name (empty: nothing)
 BASE_PREFIX = ''
+# where a multimodal model's checkpoint keeps this text model's tensors (empty: nowhere)
+MULTIMODAL_PREFIX = ''
 # checkpoint name inside a block -> module name; {expert} matches an expert index
 BLOCK_RENAMES = {'self_attention.query_key_value.': 'attn.qkv_proj.', 'self_attention.dense.': 'attn.o_proj.',
                  'mlp.dense_h_to_4h.': 'mlp.up_proj.', 'mlp.dense_4h_to_h.': 'mlp.down_proj.',

@@ -5,6 +5,8 @@
 BLOCK_PREFIX = 'model.layers.{index}.'
 # what a checkpoint saved from the base model leaves out of every name (empty: nothing)
 BASE_PREFIX = ''
+# where a multimodal model's checkpoint keeps this text model's tensors (empty: nowhere)
+MULTIMODAL_PREFIX = 'language_model.'
 # checkpoint name inside a block -> module name; {expert} matches an expert index
 BLOCK_RENAMES = {'self_attn.': 'attn.', 'mlp.': 'mlp.', 'input_layernorm.': 'attn_norm.',
                  'post_attention_layernorm.': 'post_attn_norm.', 'pre_feedforward_layernorm.': 'mlp_norm.',

@@ -6,10 +6,11 @@ from bloombee.models.core.family import Family
 
 from .block import Qwen3Block
 from .config import DEFAULTS, FIELDS
-from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES
+from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES, MULTIMODAL_PREFIX
 
 FAMILY = Family(name='qwen3', model_types=('qwen3',), config_class='Qwen3Config',
                 reference_model_class='Qwen3ForCausalLM', block_class=Qwen3Block, rotary=True, config_fields=FIELDS,
                 config_defaults=DEFAULTS, config_adapter='standard', block_prefix=BLOCK_PREFIX,
                 block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}',
-                scaled_embeddings=False, embedding_norm=False, alibi=False, base_prefix=BASE_PREFIX)
+                scaled_embeddings=False, embedding_norm=False, alibi=False, base_prefix=BASE_PREFIX,
+                multimodal_prefix=MULTIMODAL_PREFIX)

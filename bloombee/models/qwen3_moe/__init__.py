@@ -6,10 +6,11 @@ from bloombee.models.core.family import Family
 
 from .block import Qwen3MoeBlock
 from .config import DEFAULTS, FIELDS
-from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES
+from .model import BASE_PREFIX, BLOCK_PREFIX, BLOCK_RENAMES, HEAD_RENAMES, MULTIMODAL_PREFIX
 
 FAMILY = Family(name='qwen3_moe', model_types=('qwen3_moe',), config_class='Qwen3MoeConfig',
                 reference_model_class='Qwen3MoeForCausalLM', block_class=Qwen3MoeBlock, rotary=True,
                 config_fields=FIELDS, config_defaults=DEFAULTS, config_adapter='sparse_moe', block_prefix=BLOCK_PREFIX,
                 block_renames=BLOCK_RENAMES, head_renames=HEAD_RENAMES, dht_prefix_rule='{name}',
-                scaled_embeddings=False, embedding_norm=False, alibi=False, base_prefix=BASE_PREFIX)
+                scaled_embeddings=False, embedding_norm=False, alibi=False, base_prefix=BASE_PREFIX,
+                multimodal_prefix=MULTIMODAL_PREFIX)
