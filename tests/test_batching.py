@@ -120,3 +120,21 @@ def test_a_step_that_fails_to_prepare_is_refused_alone():
         backend.prepare_step(bad, hidden, MAX_LENGTH - 1, 0, None, None)
     assert torch.equal(backend.run([backend.prepare_step(good, hidden, 0, 0, None, None)])[0], expected)
     assert not bad.token_mask.any()  # nothing of the refused step was written
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "gpt-oss", "deepseek-v3"])
+def test_a_mixtures_rows_get_the_same_bits_among_any_number_of_rows(variant, tiny_checkpoint):
+    """Routers and experts that are not linear layers (gpt-oss's packed experts, DeepSeek-V3's float32 router) are
+    chunked as the linear layers are: a row is routed and computed alike whatever rows come with it."""
+    folder, _ = tiny_checkpoint(variant, 2)
+    stack = load_block_stack(folder, 0, 2, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    assert make_batch_invariant(stack, torch.float32, cpu, row_floor(stack, torch.float32, cpu))
+    mlp = stack.blocks[-1].mlp
+    inputs = torch.randn(300, stack.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    probe, others = inputs[:1], inputs[1:]
+    with torch.inference_mode():
+        alone = mlp(probe)[0]
+        for rows in (2, 3, 10, 100, 300):
+            for where in (0, rows // 2, rows - 1):
+                assert torch.equal(mlp(torch.cat([others[:where], probe, others[where:rows - 1]]))[where], alone)

@@ -83,11 +83,11 @@ def chunk_sizes(rows: int, floor: int) -> list[int]:
 
 
 def _chunked(forward, floor: int):
-    def chunked_forward(x: torch.Tensor) -> torch.Tensor:
+    def chunked_forward(x: torch.Tensor, *args) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         sizes = chunk_sizes(rows, floor)
         if sizes == [rows]:
-            return forward(x)
+            return forward(x, *args)
         flat = x.reshape(rows, x.shape[-1])
         outputs, start = [], 0
         for size in sizes:
@@ -95,7 +95,7 @@ def _chunked(forward, floor: int):
             taken = chunk.shape[0]
             if taken < size:
                 chunk = torch.cat([chunk, chunk.new_zeros(size - taken, chunk.shape[1])])
-            outputs.append(forward(chunk)[:taken])
+            outputs.append(forward(chunk, *args)[:taken])
             start += size
         out = torch.cat(outputs)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -103,17 +103,24 @@ def _chunked(forward, floor: int):
     return chunked_forward
 
 
+def _computes_by_rows(layer: nn.Module) -> bool:
+    """A linear layer, or a module declaring ``row_wise``: its forward's output rows are matmuls of its first
+    argument's rows alone (gpt-oss's packed experts, DeepSeek-V3's router), chunked as a linear layer is."""
+    return isinstance(layer, nn.Linear) or getattr(layer, "row_wise", False)
+
+
 def chunk_linear_rows(module: nn.Module, floor: int) -> None:
-    """Make every linear layer of `module` compute its rows in the chunks `chunk_sizes` gives."""
+    """Make every linear layer (and row-wise module) of `module` compute its rows in the chunks `chunk_sizes`
+    gives."""
     for layer in module.modules():
-        if isinstance(layer, nn.Linear):
+        if _computes_by_rows(layer):
             layer.forward = _chunked(layer.forward, floor)
 
 
 def unchunk_linear_rows(module: nn.Module) -> None:
     """Undo `chunk_linear_rows`: each linear layer computes all its rows at once again."""
     for layer in module.modules():
-        if isinstance(layer, nn.Linear) and "forward" in vars(layer):
+        if _computes_by_rows(layer) and "forward" in vars(layer):
             del layer.forward
 
 

@@ -93,6 +93,8 @@ class PackedExperts(nn.Module):
     with biases, and its clamped SwiGLU: (up + 1) * g * sigmoid(alpha * g), g the gate clamped to <= limit and up to
     [-limit, limit]."""
 
+    row_wise = True  # batch-invariant mode chunks its rows (core.invariance)
+
     def __init__(self, cfg: BlockConfig):
         super().__init__()
         experts, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
@@ -138,6 +140,8 @@ class GroupLimitedRouter(nn.Module):
     experts of the topk_groups groups whose two best biased scores sum highest; weighted by their unbiased scores,
     renormalised (with norm_topk_prob) and scaled by routed_scaling."""
 
+    row_wise = True  # its forward, the scores; batch-invariant mode chunks its rows (core.invariance)
+
     def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.top_k, self.groups, self.topk_groups = cfg.num_experts_per_tok, cfg.num_expert_groups, cfg.topk_groups
@@ -145,9 +149,12 @@ class GroupLimitedRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (weights [N, k] float32, chosen experts [N, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> each expert's score [N, E], float32."""
+        return F.linear(x.float(), self.weight.float()).sigmoid()
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [N, E] -> (weights [N, k] float32, chosen experts [N, k])."""
         biased = scores + self.e_score_correction_bias.float()
         by_group = biased.unflatten(-1, (self.groups, -1))
         best_groups = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_groups, dim=-1, sorted=False)[1]
@@ -174,7 +181,7 @@ class GroupLimitedMoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, chosen = self.router(x)
+        weights, chosen = self.router.choose(self.router(x))
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             tokens, slot = torch.where(chosen == e)
