@@ -231,3 +231,20 @@ def test_a_tree_step_equals_each_branch_decoded_in_order(tiny_checkpoint, varian
         alone = stack(head.embed(ids), positions[None], stack.new_caches(1, 16), positions,
                       masks.causal_mask(positions, ids.shape[1]))
         assert (tree[leaf] - alone[0, -1]).abs().max() <= 1e-5
+
+
+def test_what_transformers_keeps_in_float32_stays_so_in_a_bfloat16_server(tiny_checkpoint):
+    """DeepSeek-V3's router (its weight and correction bias) loads in float32 in a bfloat16 server, and gpt-oss's
+    norms multiply their scale in float32, as transformers keeps and computes them."""
+    folder, model = tiny_checkpoint("deepseek-v3", 2)
+    stack = load_block_stack(folder, 0, 2, dtype=torch.bfloat16)
+    router = stack.blocks[1].mlp.router
+    assert stack.dtype == torch.bfloat16 == stack.blocks[1].mlp.experts[0].up_proj.weight.dtype
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
+    folder, model = tiny_checkpoint("gpt-oss", 2)
+    norm = load_block_stack(folder, 0, 2, dtype=torch.bfloat16).blocks[0].attn_norm
+    theirs = type(model.model.layers[0].input_layernorm)(64, norm.eps)
+    theirs.weight.data = norm.weight.float()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(norm(x), theirs(x))

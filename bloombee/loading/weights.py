@@ -141,6 +141,11 @@ def _state_for(module_names: set[str], renamed: dict[str, str], where: str) -> N
                          f"unexpected {sorted(unexpected)[:8]}.")
 
 
+def _kept_in_float32(block) -> tuple[str, ...]:
+    """Prefixes of a block's tensors whose modules keep float32 whatever the server's dtype (``keeps_float32``)."""
+    return tuple(f"{name}." for name, module in block.named_modules() if getattr(module, "keeps_float32", False))
+
+
 def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, device="cpu",
                      quant_type: QuantType = "none"):
     """Blocks [start, end) of a model, reading only those blocks' tensors, one block at a time: with ``quant_type``
@@ -177,7 +182,10 @@ def load_block_stack(name_or_path, start: int, end: int, dtype=torch.float32, de
             prefix = f"blocks.{index}."
             names = {name: local.removeprefix(prefix) for name, local in renamed.items() if local.startswith(prefix)}
             if saved_as == "none":
-                tensors = reader.read(names, dtype, show_progress=False)
+                kept = _kept_in_float32(block)
+                tensors = reader.read([n for n in names if not names[n].startswith(kept)], dtype, show_progress=False)
+                tensors.update(reader.read([n for n in names if names[n].startswith(kept)], torch.float32,
+                                           show_progress=False))
                 block.load_state_dict({names[k]: t for k, t in tensors.items()}, strict=True, assign=True)
                 quantize_linears(block, quant_type, device)
             else:

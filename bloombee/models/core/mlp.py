@@ -141,6 +141,7 @@ class GroupLimitedRouter(nn.Module):
     renormalised (with norm_topk_prob) and scaled by routed_scaling."""
 
     row_wise = True  # its forward, the scores; batch-invariant mode chunks its rows (core.invariance)
+    keeps_float32 = True  # its weight and bias load in float32 whatever the server's dtype (as transformers keeps them)
 
     def __init__(self, cfg: BlockConfig):
         super().__init__()

@@ -1,5 +1,4 @@
-"""Normalisation layers; all take ``(dim, eps)``: RMSNorm and OffsetRMSNorm have a weight only, LayerNorm a weight
-and a bias."""
+"""Normalisation layers; all take ``(dim, eps)``: the RMSNorms have a weight only, LayerNorm a weight and a bias."""
 
 from __future__ import annotations
 
@@ -25,6 +24,14 @@ class RMSNorm(nn.Module):
         return self.weight * rms_normalized(x, self.eps).to(x.dtype)
 
 
+class Float32RMSNorm(RMSNorm):
+    """RMSNorm whose scale multiplies in float32 before casting back (gpt_oss, whose norms transformers keeps in
+    float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight.to(torch.float32) * rms_normalized(x, self.eps)).to(x.dtype)
+
+
 class OffsetRMSNorm(nn.Module):
     """RMSNorm scaling by (1 + weight), in float32 before casting back (gemma); its weight starts at zero."""
 
@@ -44,4 +51,5 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps)
 
 
-NORMS = {"RMSNorm": RMSNorm, "OffsetRMSNorm": OffsetRMSNorm, "LayerNorm": LayerNorm}
+NORMS = {"RMSNorm": RMSNorm, "Float32RMSNorm": Float32RMSNorm, "OffsetRMSNorm": OffsetRMSNorm,
+         "LayerNorm": LayerNorm}

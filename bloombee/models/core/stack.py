@@ -43,8 +43,10 @@ class BlockStack(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the blocks compute in (their norms' dtype: quantised linear weights are integers)."""
-        return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point)
+        """The dtype the blocks compute in (their norms' dtype: quantised linear weights are integers; modules that
+        keep float32, as DeepSeek-V3's router, do not count)."""
+        return next(p.dtype for module in self.modules() if not getattr(module, "keeps_float32", False)
+                    for p in module.parameters(recurse=False) if p.dtype.is_floating_point)
 
     @property
     def device(self) -> torch.device:

@@ -5,10 +5,10 @@
 from bloombee.models.core.attention import Attention
 from bloombee.models.core.block import DecoderBlock
 from bloombee.models.core.mlp import PackedMoEMLP
-from bloombee.models.core.norms import RMSNorm
+from bloombee.models.core.norms import Float32RMSNorm
 
 
 class GptOssBlock(DecoderBlock):
-    """Pre-norm block: RMSNorm, Attention, PackedMoEMLP."""
+    """Pre-norm block: Float32RMSNorm, Attention, PackedMoEMLP."""
 
-    norm_class, attention_class, mlp_class = RMSNorm, Attention, PackedMoEMLP
+    norm_class, attention_class, mlp_class = Float32RMSNorm, Attention, PackedMoEMLP
