@@ -36,7 +36,7 @@ def test_committed_specs_are_valid():
      r"field 'classes.attention': attention class 'FlashAttention' is not allowed; allowed: Attention, "
      r"FusedQKVAttention"),
     (lambda d: d["classes"].update(mlp="SwiGLU"), r"MLP class 'SwiGLU' is not allowed; allowed: FusedGatedMLP, GatedMLP, GeluMLP"),
-    (lambda d: d["classes"].update(norm="BatchNorm"), r"norm class 'BatchNorm' is not allowed; allowed: LayerNorm"),
+    (lambda d: d["classes"].update(norm="BatchNorm"), r"norm class 'BatchNorm' is not allowed; allowed: Float32RMSNorm, LayerNorm"),
     (lambda d: d.update(config_class="NoSuchConfig"), r"field 'config_class': 'NoSuchConfig' is not a class"),
     (lambda d: d.update(config_adapter="magic"), r"config adapter 'magic' is not allowed; allowed: bloom, deepseek, falcon, sparse_moe, standard"),
     (lambda d: d["config_fields"].update(rope_theta="rope_theta"),
