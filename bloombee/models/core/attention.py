@@ -91,8 +91,7 @@ class _AttentionBase(nn.Module):
     def _attend_softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`attend` with the scores soft-capped before the mask (which scaled_dot_product_attention cannot do); the
         softmax in float32."""
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        k, v = _per_query_head(q, k, v)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
@@ -103,9 +102,8 @@ class _AttentionBase(nn.Module):
         """`attend` with ALiBi (bloom): the scaled scores plus each head's slope times the key's position, counted
         among the keys the query attends (as transformers counts it over the padding mask, and for a tree's node
         over its ancestors); the softmax in float32."""
-        b, h, T, d = q.shape
-        group = h // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        b, h, T, _ = q.shape
+        k, v = _per_query_head(q, k, v)
         slopes = alibi_slopes(self.num_heads, q.device)[first_head:first_head + h]
         key_positions = mask.cumsum(-1) - 1
         bias = (slopes[:, None, None] * key_positions[:, None]).to(q.dtype)
@@ -118,8 +116,7 @@ class _AttentionBase(nn.Module):
         """`attend` with attention sinks (gpt_oss): each head's learned logit joins its softmax over the scores (in
         their dtype, its maximum subtracted first) and takes its share of the weight, then is dropped."""
         b, h, T, _ = q.shape
-        group = h // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        k, v = _per_query_head(q, k, v)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
         sinks = self.sinks[first_head:first_head + h].to(scores.dtype).reshape(1, h, 1, 1).expand(b, h, T, 1)
@@ -142,6 +139,12 @@ class _AttentionBase(nn.Module):
 
         return torch.stack([torch.stack([alone(row, node) for node in range(q.shape[2])], dim=1)
                             for row in range(q.shape[0])])
+
+
+def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [b, kv, S, d] repeated to one head per query head of q [b, h, T, d] (grouped-query attention)."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 @lru_cache
@@ -278,7 +281,10 @@ class LatentAttention(_AttentionBase):
         return torch.cat([q_pass, pairs(q_rot)], -1), pairs(k)
 
     def attend(self, q, k, v, mask, first_head=0):
-        """q [b, h, T, nope + rope] over the cached rope keys k [b, 1, S, rope] and latents v [b, 1, S, rank]."""
+        """q [b, h, T, nope + rope] over the cached rope keys k [b, 1, S, rope] and latents v [b, 1, S, rank]; on the
+        device of kv_b_proj's weight, also for an offloaded cache's part in host memory (its latents expand there)."""
+        device = self.kv_b_proj.weight.device
+        q, k, v, mask = (tensor.to(device) for tensor in (q, k, v, mask))
         heads = q.shape[1]
         expanded = self.kv_b_proj(v[:, 0]).unflatten(-1, (self.num_heads, -1))[:, :, first_head:first_head + heads]
         keys_nope, values = expanded.transpose(1, 2).split([self.nope, self.value_dim], -1)
