@@ -48,6 +48,9 @@ class _AttentionBase(nn.Module):
             q_s, k_s, v_s = (t[part].unflatten(0, (segment.rows, segment.tokens)).transpose(1, 2) for t in (q, k, v))
             out = self._attend_segment(q_s, k_s, v_s, segment, cache)
             outputs.append(out.transpose(1, 2).reshape(segment.size, -1))
+        padding = x.shape[0] - sum(segment.size for segment in segments)  # rows past the segments' (invariance)
+        if padding:
+            outputs.append(outputs[0].new_zeros(padding, outputs[0].shape[1]))
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

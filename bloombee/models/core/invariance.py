@@ -111,10 +111,13 @@ def _computes_by_rows(layer: nn.Module) -> bool:
 
 def chunk_linear_rows(module: nn.Module, floor: int) -> None:
     """Make every linear layer (and row-wise module) of `module` compute its rows in the chunks `chunk_sizes`
-    gives."""
+    gives; a module with ``padded_rows_floor`` (core.stack.BlockStack) pads a forward's rows once, at its start, to
+    what those chunks hold, so that its layers need not pad each."""
     for layer in module.modules():
         if _computes_by_rows(layer):
             layer.forward = _chunked(layer.forward, floor)
+        if hasattr(layer, "padded_rows_floor"):
+            layer.padded_rows_floor = floor
 
 
 def unchunk_linear_rows(module: nn.Module) -> None:
@@ -122,6 +125,13 @@ def unchunk_linear_rows(module: nn.Module) -> None:
     for layer in module.modules():
         if _computes_by_rows(layer) and "forward" in vars(layer):
             del layer.forward
+        if hasattr(layer, "padded_rows_floor"):
+            layer.padded_rows_floor = None
+
+
+def padded_rows(rows: int, floor: int) -> int:
+    """The rows `chunk_sizes` computes `rows` rows as (the last chunk's padding included)."""
+    return sum(chunk_sizes(rows, floor))
 
 
 class LaneAlignedActivation(nn.Module):

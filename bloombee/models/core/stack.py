@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bloombee.models.core.family import Family
+from bloombee.models.core.invariance import padded_rows
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.offload import OffloadedKVCache, host_kv_heads
 from bloombee.models.core.packing import Segment, segment_slices
@@ -27,6 +29,7 @@ class BlockStack(nn.Module):
         if not 0 <= start < end <= n:
             raise ValueError(f"block range [{start}, {end}) is not inside the model's {n} blocks [0, {n}).")
         self.family, self.config, self.start, self.end = family, config, start, end
+        self.padded_rows_floor: int | None = None  # batch-invariant mode: a forward's rows padded once (invariance)
         self.block_configs = [self.family.block_config(config, i) for i in range(start, end)]
         self.blocks = nn.ModuleList(self.family.block_class(cfg, i)
                                     for cfg, i in zip(self.block_configs, range(start, end)))
@@ -94,11 +97,16 @@ class BlockStack(nn.Module):
         lo, hi = self.local_range(block_range)
         rotations = {kind: self._rotation(rotary, hidden.dtype, rope_positions, segments)
                      for kind, rotary in self.rotaries.items()}
+        rows = hidden.shape[0]
+        pad = padded_rows(rows, self.padded_rows_floor) - rows if self.padded_rows_floor else 0
+        if pad:  # zero rows past the segments', so that no linear layer pads its own (core.invariance)
+            hidden = F.pad(hidden, (0, 0, 0, pad))
+            rotations = {kind: tuple(F.pad(t, (0, 0, 0, pad)) for t in cos_sin) for kind, cos_sin in rotations.items()}
         for i, (block, cfg) in enumerate(zip(self.blocks[lo:hi], self.block_configs[lo:hi])):
             caches = [segment.caches[i] if segment.caches is not None else None for segment in segments]
             cos, sin = rotations.get(cfg.rope_layer_type, (None, None))
             hidden = block(hidden, cos, sin, segments, caches)
-        return hidden
+        return hidden[:rows] if pad else hidden
 
     @staticmethod
     def _rotation(rotary: RotaryEmbedding, dtype: torch.dtype, rope_positions: torch.Tensor,
