@@ -19,6 +19,14 @@ NF4_NESTED_BLOCK_SIZE = 256  # first-level scales per float32 second-level scale
 NF4_QUANT_MAP_BYTES = (16 + 256) * 4  # the float32 code books: 16 NF4 values, 256 values of the scales' 8-bit code
 
 
+def quantization_settings(config) -> dict | None:
+    """A transformers config's ``quantization_config`` as a dict; None where it has none."""
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        return None
+    return found if isinstance(found, dict) else found.to_dict()
+
+
 def parse_quant_type(text: str) -> QuantType:
     """``'nf4'`` -> ``'nf4'``; anything else is a ValueError that names the choices."""
     if text not in QUANT_TYPES:

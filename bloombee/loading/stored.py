@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from bloombee.weight_formats import DEQUANTISED_ON_LOAD
+from bloombee.weight_formats import DEQUANTISED_ON_LOAD, quantization_settings
 
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 FP8_SCALES = "_scale_inv"
@@ -14,10 +14,7 @@ FP8_SCALES = "_scale_inv"
 
 def stored_format(config) -> tuple[str | None, dict]:
     """The checkpoint's quant_method where it is one read dequantised (mxfp4, fp8), else None; and its settings."""
-    found = getattr(config, "quantization_config", None)
-    if found is None:
-        return None, {}
-    settings = found if isinstance(found, dict) else found.to_dict()
+    settings = quantization_settings(config) or {}
     method = settings.get("quant_method")
     return (method, settings) if method in DEQUANTISED_ON_LOAD else (None, settings)
 

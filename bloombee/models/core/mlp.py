@@ -4,6 +4,7 @@ experts (mixtral and qwen3_moe; gpt_oss's experts packed in 3-D tensors)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,18 @@ class GeluMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
+def weighted_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, num_experts: int,
+                     expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Rows x [N, H] through their chosen experts [N, k], each expert's output times its weight [N, k] (cast to x's
+    dtype), summed per row; `expert(e, rows)` computes expert e on the rows routed to it."""
+    out = torch.zeros_like(x)
+    for e in range(num_experts):
+        tokens, slot = torch.where(chosen == e)
+        if tokens.numel():
+            out.index_add_(0, tokens, (expert(e, x[tokens]) * weights[tokens, slot, None]).to(x.dtype))
+    return out
+
+
 class MoEMLP(nn.Module):
     """Top-k routed experts: softmax over router logits, keep the top k, renormalise them (with norm_topk_prob), sum
     the weighted experts."""
@@ -79,12 +92,7 @@ class MoEMLP(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            tokens, slot = torch.where(chosen == e)
-            if tokens.numel():
-                out.index_add_(0, tokens, expert(x[tokens]) * weights[tokens, slot, None])
+        out = weighted_experts(x, weights.to(x.dtype), chosen, len(self.experts), lambda e, rows: self.experts[e](rows))
         return out.reshape(shape)
 
 
@@ -127,11 +135,8 @@ class PackedMoEMLP(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits, chosen = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
         weights = F.softmax(logits, dim=-1, dtype=logits.dtype)
-        out = torch.zeros_like(x)
-        for e in range(self.experts.gate_up_proj.shape[0]):
-            tokens, slot = torch.where(chosen == e)
-            if tokens.numel():
-                out.index_add_(0, tokens, (self.experts(x[tokens], e) * weights[tokens, slot, None]).to(x.dtype))
+        out = weighted_experts(x, weights, chosen, self.experts.gate_up_proj.shape[0],
+                               lambda e, rows: self.experts(rows, e))
         return out.reshape(shape)
 
 
@@ -183,11 +188,7 @@ class GroupLimitedMoEMLP(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.router.choose(self.router(x))
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            tokens, slot = torch.where(chosen == e)
-            if tokens.numel():
-                out.index_add_(0, tokens, (expert(x[tokens]) * weights[tokens, slot, None]).to(x.dtype))
+        out = weighted_experts(x, weights, chosen, len(self.experts), lambda e, rows: self.experts[e](rows))
         return (out + self.shared_experts(x)).reshape(shape)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from bloombee.weight_formats import (DEQUANTISED_ON_LOAD, NF4_BLOCK_SIZE, QuantType, linear_weight_bytes, nf4_columns,
-                                     parse_quant_type)
+                                     parse_quant_type, quantization_settings)
 
 
 class _CastNotice(logging.Filter):
@@ -63,10 +63,9 @@ def checkpoint_quant_type(config) -> QuantType:
     """The precision a checkpoint was saved in: none (also for MXFP4 and block-scaled float8, read dequantised), or
     bitsandbytes' int8 or nf4, which load as saved; QuantizationUnsupported for any other quantisation (GPTQ, AWQ,
     bitsandbytes fp4, ...)."""
-    found = getattr(config, "quantization_config", None)
-    if found is None:
+    settings = quantization_settings(config)
+    if settings is None:
         return "none"
-    settings = found if isinstance(found, dict) else found.to_dict()
     method = settings.get("quant_method", "unknown")
     if method in DEQUANTISED_ON_LOAD:
         return "none"
