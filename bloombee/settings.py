@@ -48,6 +48,10 @@ class ServerSettings(BaseModel):
     session_timeout: float = Field(300.0, gt=0, description="seconds a session may stay idle before its cache is freed")
     push_buffer_bytes: int = Field(32 << 20, ge=1, description="bytes a session may queue for the next server "
                                    "before its pipeline waits (back-pressure)")
+    kept_forward_bytes: int = Field(256 << 20, ge=1, description="bytes of training clients' span inputs the "
+                                    "server keeps at once for their backward")
+    kept_forward_timeout: float = Field(120.0, gt=0, description="seconds a forward kept for a backward waits for it "
+                                        "before it is forgotten")
     announce_period: float = Field(5.0, gt=0, description="seconds between DHT announcements")
     rebalance_period: float = Field(60.0, gt=0, description="seconds between checks whether other blocks need us more")
     balance_quality: float = Field(1.25, ge=1.0, description="move to other blocks only if swarm throughput grows by this factor")

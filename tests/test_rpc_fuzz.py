@@ -22,7 +22,7 @@ from bloombee.client.loop import client_loop, run_sync
 from bloombee.codec.frame import LANE_RAW, checksum, pack_header
 from bloombee.dht.peers import start_dht
 from bloombee.dht.records import fetch_records
-from bloombee.protocol import (ErrorKind, ForwardMessage, InfoMessage, Message, MessageKind, OpenMessage, OpenSession,
+from bloombee.protocol import (BackwardMessage, ErrorKind, ForwardMessage, InfoMessage, Message, MessageKind, OpenMessage, OpenSession,
                                StepHeader, StepMessage, envelope, pack, unpack)
 from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import queue_stream
@@ -212,6 +212,47 @@ class Fuzzer:
             self.sent["forward"] += WINDOW
         assert await stream.close() == []
 
+    # -- backward -----------------------------------------------------------------------------
+
+    def kept_forward(self, hidden: torch.Tensor, forward_id: str):
+        return pack(ForwardMessage(start_block=0, end_block=NUM_BLOCKS, forward_id=forward_id), {"hidden": hidden})
+
+    def bad_backward(self, kept_id: str, other_id: str, hidden: torch.Tensor):
+        """A malformed backward; `kept_id` is a forward this client keeps, `other_id` one another client keeps."""
+        good = {"kind": "backward", "forward_id": kept_id}
+        grad = [("grad_outputs", codec.encode(torch.ones_like(hidden)))]
+        wrong_grads = [torch.ones(*hidden.shape[:2], HIDDEN + 1), torch.ones(hidden.shape[0], hidden.shape[1] + 1, HIDDEN),
+                       torch.ones(HIDDEN), torch.ones_like(hidden, dtype=torch.long)]
+        return self.rng.choice([
+            with_frames(bad_metadata(self.rng, good), grad),
+            with_frames(json.dumps({**good, "kind": "forward"}).encode(), grad),
+            with_frames(json.dumps({**good, "forward_id": self.rng.choice(["no-such-forward", other_id, "", "x" * 129])}).encode(), grad),
+            with_frames(json.dumps(good).encode(), [("grad_outputs", codec.encode(self.rng.choice(wrong_grads)))]),
+            with_frames(json.dumps(good).encode(), bad_tensors(self.rng, hidden)),
+            with_frames(json.dumps(good).encode(), []),
+        ])
+
+    async def fuzz_backward(self, hidden: torch.Tensor, other_id: str, expected: torch.Tensor) -> None:
+        """Malformed backwards, the valid one of each window (of a forward kept just before) answering `expected`."""
+        forwards, backwards = await Stream(self.stub.rpc_forward).start(), await Stream(self.stub.rpc_backward).start()
+        for _ in range(PER_KIND // WINDOW):
+            kept_id = uuid.uuid4().hex
+            forwards.send(self.kept_forward(hidden, kept_id))
+            assert (await forwards.reply())[0].kind == MessageKind.OUTPUT
+            window = [self.bad_backward(kept_id, other_id, hidden) for _ in range(WINDOW)]
+            valid = pack(BackwardMessage(forward_id=kept_id), {"grad_outputs": torch.ones_like(hidden)})
+            window.append(valid)  # last: the bad ones before it leave the kept forward in place
+            for request in window:
+                backwards.send(request)
+            for request in window:
+                message, tensors = await backwards.reply()
+                if request is valid:
+                    assert message.kind == MessageKind.OUTPUT and torch.equal(tensors["grad_inputs"], expected)
+                else:
+                    assert_error(message)
+            self.sent["backward"] += WINDOW
+        assert await forwards.close() == [] and await backwards.close() == []
+
     # -- inference: open ----------------------------------------------------------------------
 
     def bad_open(self, taken_id: str):
@@ -376,10 +417,32 @@ async def fuzz_inference(fuzzer: Fuzzer, other: Fuzzer) -> None:
     assert await own.close() == [] and await theirs.close() == []
 
 
-async def fuzz_all(fuzzer: Fuzzer, other: Fuzzer, info_keys: set[str], forward_in, forward_out) -> None:
+async def fuzz_all(fuzzer: Fuzzer, other: Fuzzer, info_keys: set[str], forward_in, forward_out, backward_out) -> None:
     await fuzzer.fuzz_info(info_keys)
     await fuzzer.fuzz_forward(forward_in, forward_out)
+    await fuzz_backward(fuzzer, other, forward_in, backward_out)
     await fuzz_inference(fuzzer, other)
+
+
+async def fuzz_backward(fuzzer: Fuzzer, other: Fuzzer, hidden: torch.Tensor, expected: torch.Tensor) -> None:
+    """`fuzzer`'s backwards, some naming a forward `other` keeps, which stays `other`'s to use."""
+    other_id = uuid.uuid4().hex
+    await keep_forward(other, hidden, other_id)
+    await fuzzer.fuzz_backward(hidden, other_id, expected)
+    assert torch.equal(await clean_backward(other, other_id, hidden), expected)
+
+
+async def keep_forward(fuzzer: Fuzzer, hidden: torch.Tensor, forward_id: str) -> None:
+    stream = await Stream(fuzzer.stub.rpc_forward).start(fuzzer.kept_forward(hidden, forward_id))
+    assert (await stream.reply())[0].kind == MessageKind.OUTPUT and await stream.close() == []
+
+
+async def clean_backward(fuzzer: Fuzzer, forward_id: str, hidden: torch.Tensor) -> torch.Tensor:
+    request = pack(BackwardMessage(forward_id=forward_id), {"grad_outputs": torch.ones_like(hidden)})
+    stream = await Stream(fuzzer.stub.rpc_backward).start(request)
+    message, tensors = await stream.reply()
+    assert message.kind == MessageKind.OUTPUT and await stream.close() == []
+    return tensors["grad_inputs"]
 
 
 async def server_info(fuzzer: Fuzzer) -> dict:
@@ -452,10 +515,13 @@ def test_malformed_requests_get_typed_errors_and_change_nothing(swarm):
         expected = client_round(model, hidden)
         forward_in = torch.randn(1, 5, HIDDEN)
         forward_out = run_sync(clean_forward(fuzzer, forward_in))
+        run_sync(keep_forward(fuzzer, forward_in, "clean"))
+        backward_out = run_sync(clean_backward(fuzzer, "clean", forward_in))
         baseline = wait_for_sessions(fuzzer, 0)
         pid = swarm.server("a").process.pid
         memory = memory_of(pid)
-        fuzz = asyncio.run_coroutine_threadsafe(fuzz_all(fuzzer, other, set(baseline), forward_in, forward_out),
+        fuzz = asyncio.run_coroutine_threadsafe(fuzz_all(fuzzer, other, set(baseline), forward_in, forward_out,
+                                                         backward_out),
                                                 client_loop())
         try:
             rounds = client_rounds_until(model, fuzz, hidden, expected)
@@ -465,7 +531,9 @@ def test_malformed_requests_get_typed_errors_and_change_nothing(swarm):
         after = wait_for_sessions(fuzzer, 0)
     finally:
         other_dht.shutdown()
-    assert rounds >= 1 and fuzzer.sent == {kind: PER_KIND for kind in ("info", "forward", "open", "step", "push")}
+    assert rounds >= 1 and fuzzer.sent == {kind: PER_KIND for kind in ("info", "forward", "backward", "open", "step",
+                                                                      "push")}
+    assert after["kept_forwards"] == {"count": 0, "bytes": 0}
     assert swarm.server("a").process.poll() is None
     for key in ("device_free_bytes", "host_free_bytes", "device_memory_bytes", "host_memory_bytes"):
         assert after[key] == baseline[key]

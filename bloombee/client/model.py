@@ -13,6 +13,7 @@ from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, Pr
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bloombee.client.lifetime import release
+from bloombee.client.prompt_tuning import PromptTuning
 from bloombee.client.remote import RemoteSequential
 from bloombee.client.session import InferenceSession
 from bloombee.dht.peers import start_dht
@@ -49,9 +50,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_cache_class = False
     _release: weakref.finalize | None = None  # frees the DHT peer from_pretrained started: on close() or when dropped
 
-    def __init__(self, config: PretrainedConfig, head: torch.nn.Module, remote: RemoteSequential):
+    def __init__(self, config: PretrainedConfig, head: torch.nn.Module, remote: RemoteSequential,
+                 prompt_tuning: PromptTuning | None = None):
         super().__init__(config)
-        self.head, self.remote = head, remote
+        self.head, self.remote, self.prompt_tuning = head, remote, prompt_tuning
         self._drafts = threading.local()  # default draft models by name, one copy per thread
         self._active: contextvars.ContextVar[_ActiveSession | None] = contextvars.ContextVar(f"bloombee_session_{id(self)}",
                                                                                           default=None)
@@ -59,8 +61,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, model: str, initial_peers: Sequence[str] = (), *, dht=None, dtype="auto", device="cpu",
                         allowed_servers: list[str] | None = None, blocked_servers: list[str] | None = None,
+                        tuning_mode: str | None = None, pre_seq_len: int = 0,
                         **settings) -> "DistributedModelForCausalLM":
-        """Load the client's part of `model` (folder, hub id or alias) and join the swarm at `initial_peers`."""
+        """Load the client's part of `model` (folder, hub id or alias) and join the swarm at `initial_peers`; with
+        `tuning_mode` ("ptune" or "deep_ptune", bloombee.client.prompt_tuning), `pre_seq_len` trainable prompt
+        tokens."""
         path = resolve_model(model)
         config = load_model_config(path)
         config.name_or_path = str(path)  # so that AutoTokenizer.from_pretrained(model.name_or_path) finds the files
@@ -78,7 +83,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if owned:
                 dht.shutdown()
             raise
-        instance = cls(config, head, remote)
+        tuning = None
+        if tuning_mode is not None:
+            tuning = PromptTuning(tuning_mode, pre_seq_len, config.num_hidden_layers, config.hidden_size,
+                                  float(head.embed_tokens.weight.float().std()), head.dtype).to(head.device)
+        instance = cls(config, head, remote, tuning)
         if owned:
             instance._release = weakref.finalize(instance, release, dht, remote.p2p)
         if (path / "generation_config.json").exists():
@@ -107,7 +116,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Keep one session (and the servers' KV caches) across several generate() calls of this thread."""
         if self._active.get() is not None:
             raise RuntimeError("an inference session is already active on this model in this thread")
-        with self.remote.inference_session(max_length, batch_size) as session:
+        if self.prompt_tuning is not None and self.prompt_tuning.deep is not None:
+            raise ValueError("deep prompts are added at every block, which servers do in stateless forwards only: "
+                             "a deep_ptune model generates without an inference session")
+        prefix = self.prompt_tuning.pre_seq_len if self.prompt_tuning is not None else 0
+        with self.remote.inference_session(max_length + prefix, batch_size) as session:
             token = self._active.set(_ActiveSession(session))
             try:
                 yield session
@@ -121,6 +134,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         (bloombee.speculative); `draft_model="none"` decodes plainly."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
         draft = kwargs.pop("draft_model", None) or kwargs.pop("assistant_model", None)
+        if self.prompt_tuning is not None:
+            return self._generate_tuned(input_ids, draft, *args, **kwargs)
         if draft is None:
             draft = self._default_draft(args, kwargs)
         elif isinstance(draft, str) and draft == "none":
@@ -130,6 +145,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                              "call it outside `with model.inference_session(...)`")
         if draft is not None:
             return speculative_generate(self, input_ids, draft, **kwargs)
+        return self._generate_plain(input_ids, *args, **kwargs)
+
+    def _generate_plain(self, input_ids: torch.Tensor, *args, **kwargs):
+        """transformers' generate() in the active session, or in one opened for this call."""
         kwargs["use_cache"] = False
         if self._active.get() is None:
             new_tokens = kwargs.get("max_new_tokens") or (self.generation_config.max_new_tokens or 0)
@@ -137,6 +156,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0] * self._rows_per_input(kwargs)):
                 return self._generate_in_session(input_ids, *args, **kwargs)
         return self._generate_in_session(input_ids, *args, **kwargs)
+
+    def _generate_tuned(self, input_ids: torch.Tensor, draft, *args, **kwargs):
+        """generate() after the tuned prompts, decoding plainly (a draft model knows no prompts): in a session in
+        shallow mode, by stateless forwards of the whole sequence in deep mode (servers add deep prompts only there)."""
+        if draft is not None and draft != "none":
+            raise ValueError("speculative generation does not know a prompt-tuned model's prompts: pass "
+                             "draft_model='none' or no draft_model")
+        if self.prompt_tuning.deep is None:
+            return self._generate_plain(input_ids, *args, **kwargs)
+        kwargs["use_cache"] = False
+        return super().generate(input_ids, *args, **kwargs)
 
     def settings_draft(self) -> DraftModel | None:
         """The draft model the draft_model setting names (auto: the one the model's generation config names, if
@@ -180,11 +210,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """The full ids each step: forward() sends only the tokens the session has not seen."""
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+        """Logits of `input_ids` (in the active session: of the ids it has not seen), and with `labels` the causal LM
+        loss over them, as transformers computes it; differentiable through the swarm outside a session."""
         active = self._active.get()
         if active is None:
-            hidden = self.remote.forward(self.head.embed(input_ids), attention_mask)
-            return CausalLMOutputWithPast(logits=self.head.logits(hidden))
+            logits = self._stateless_logits(input_ids, attention_mask)
+            loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                                  vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if labels is not None:
+            raise ValueError("labels are for training, outside an inference session")
         seen = active.session.position - active.base
         if active.rows is not None and seen:
             hypotheses = continued_rows(active.rows, input_ids)
@@ -193,8 +230,22 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         active.rows = input_ids
         new_ids = input_ids[:, seen:]
         token_mask = attention_mask[:, seen:] if attention_mask is not None else None
-        hidden = active.session.step(self.head.embed(new_ids), token_mask)
+        embeds, prefix = self.head.embed(new_ids), 0
+        if self.prompt_tuning is not None and active.session.position == 0:
+            embeds, token_mask = self.prompt_tuning.prepend(embeds, token_mask)
+            prefix = self.prompt_tuning.pre_seq_len
+        hidden = active.session.step(embeds, token_mask)[:, prefix:]
+        active.base += prefix
         return CausalLMOutputWithPast(logits=self.head.logits(hidden.to(self.head_dtype)))
+
+    def _stateless_logits(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits of whole sequences through the swarm without a session, after the tuned prompts if any."""
+        embeds = self.head.embed(input_ids)
+        if self.prompt_tuning is None:
+            return self.head.logits(self.remote.forward(embeds, attention_mask))
+        embeds, attention_mask = self.prompt_tuning.prepend(embeds, attention_mask)
+        hidden = self.remote.forward(embeds, attention_mask, self.prompt_tuning.deep_prompts(len(input_ids)))
+        return self.head.logits(hidden[:, self.prompt_tuning.pre_seq_len:])
 
     @property
     def head_dtype(self) -> torch.dtype:

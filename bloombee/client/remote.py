@@ -1,6 +1,5 @@
 """The model's transformer blocks as served by the swarm: stateless forward and inference sessions."""
 
-import asyncio
 import logging
 import threading
 
@@ -12,7 +11,7 @@ from bloombee.client.loop import run_sync
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager
 from bloombee.client.session import InferenceSession
-from bloombee.client.verification import forward_span
+from bloombee.client.stateless import RemoteBlocks, StatelessChain
 from bloombee.codec import CompressionPolicy
 from bloombee.protocol import InfoMessage, pack, parse_message
 from bloombee.protocol.service import block_service_stub
@@ -70,24 +69,13 @@ class RemoteSequential:
         message = parse_message(reply.metadata)
         return message.info if isinstance(message, InfoMessage) else None
 
-    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Stateless forward of whole sequences through every block, span by span, re-routing around failures."""
-        return run_sync(self._forward(hidden, token_mask))
-
-    async def _forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
-        position = 0
-        for attempt in range(self.settings.max_retries + 1):
-            spans = await loop.run_in_executor(None, self.manager.make_route, position, self.manager.num_blocks)
-            for span in spans:
-                try:
-                    hidden = await forward_span(self.p2p, span, hidden, token_mask,
-                                                self.policy_for(span.peer_id, span.record), self.settings.request_timeout)
-                    position = span.end
-                except (ConnectionError, OSError, TimeoutError) as error:
-                    logger.warning("Forward through %s failed (%r); re-routing", span.peer_id, error)
-                    self.manager.ban(span.peer_id)
-                    break
-            else:
-                return hidden
-        raise RuntimeError(f"forward failed after {self.settings.max_retries + 1} attempts")
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None,
+                prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """Stateless forward of whole sequences through every block, span by span, re-routing around failures, with
+        deep `prompts` [blocks, batch, prefix, H] added before each block if given; differentiable (the servers keep
+        their spans' inputs for the backward) when grad is enabled and `hidden` or `prompts` require it."""
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, prompts))
+        chain = StatelessChain(self, token_mask, keep=needs_grad)
+        if needs_grad:
+            return RemoteBlocks.apply(hidden, prompts, chain)
+        return run_sync(chain.forward(hidden, prompts))

@@ -11,7 +11,7 @@ import hivemind
 from bloombee.codec import CODEC_VERSION
 from bloombee.dht.records import ServerRecord, ServerState, fetch_records
 from bloombee.planner.chain import SpanFigures, activation_bytes
-from bloombee.protocol import REQUIRED_FEATURES
+from bloombee.protocol import REQUIRED_FEATURES, Feature
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
@@ -142,19 +142,21 @@ class SequenceManager:
             "device_free_bytes": min(max(record.device_free_bytes - device, 0), record.device_memory_bytes),
             "host_free_bytes": min(max(record.host_free_bytes - host, 0), record.host_memory_bytes)})
 
-    def make_route(self, start: int = 0, end: int | None = None, tokens: int = 0) -> list[Span]:
+    def make_route(self, start: int = 0, end: int | None = None, tokens: int = 0,
+                   features: tuple[Feature, ...] = ()) -> list[Span]:
         """The chain covering blocks [start, end) with the least estimated step time for a session of `tokens`
-        (batch x max_length) tokens, held for it until `hold(chain, tokens, -1)`; refreshes once if needed. Bans are
-        judged as of the call: a DHT read slowed by a frozen peer does not outlast the ban of that peer."""
+        (batch x max_length) tokens, through servers announcing `features`, held for it until
+        `hold(chain, tokens, -1)`; refreshes once if needed. Bans are judged as of the call: a DHT read slowed by a
+        frozen peer does not outlast the ban of that peer."""
         end = self.num_blocks if end is None else end
         asked = time.monotonic()
         self.update()
         try:
-            return self._route_and_hold(start, end, tokens, asked)
+            return self._route_and_hold(start, end, tokens, asked, features)
         except MissingBlocksError:
             self.update(force=True)
         try:
-            return self._route_and_hold(start, end, tokens, asked)
+            return self._route_and_hold(start, end, tokens, asked, features)
         except MissingBlocksError as error:
             raise MissingBlocksError(self._explain_missing(start, end) or str(error)) from None
 
@@ -179,10 +181,13 @@ class SequenceManager:
                 f"accept {', '.join(precisions)} too, or start a server with --quant-type "
                 f"{self.settings.accepted_quant_types[0]} for them")
 
-    def _route_and_hold(self, start: int, end: int, tokens: int, asked: float) -> list[Span]:
+    def _route_and_hold(self, start: int, end: int, tokens: int, asked: float,
+                        features: tuple[Feature, ...]) -> list[Span]:
         """The best chain, counted as held at once: concurrent sessions of this client see each other's choice."""
         with self._route_lock:
-            chain = best_chain(self.usable_servers(asked), start, end, self.span_cost(tokens), self.model_name)
+            servers = {peer_id: record for peer_id, record in self.usable_servers(asked).items()
+                       if set(features) <= set(record.features)}
+            chain = best_chain(servers, start, end, self.span_cost(tokens), self.model_name)
             self.hold(chain, tokens)
             return chain
 

@@ -19,11 +19,8 @@ from hivemind.p2p import P2P
 
 from bloombee.client.routing import SequenceManager, Span
 from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
-from bloombee.codec import LAYOUTS, CompressionPolicy
+from bloombee.client.stateless import forward_span
 from bloombee.dht.records import ServerRecord
-from bloombee.protocol import ErrorKind, ErrorMessage, ForwardMessage, pack, unpack
-from bloombee.protocol.service import block_service_stub
-from bloombee.protocol.streams import single
 from bloombee.settings import ClientSettings
 
 logger = logging.getLogger(__name__)
@@ -55,25 +52,6 @@ def difference(claimed: torch.Tensor, recomputed: torch.Tensor, mask: torch.Tens
     rms = b.pow(2).mean(-1, keepdim=True).sqrt()
     ratio = ((a - b).abs() / (b.abs() + rms + 1e-12)).amax(-1)
     return float(ratio[mask].max()) if bool(mask.any()) else 0.0
-
-
-async def forward_span(p2p: P2P, span: Span, hidden: torch.Tensor, token_mask: torch.Tensor | None,
-                       policy: CompressionPolicy, timeout: float) -> torch.Tensor:
-    """Stateless forward of whole sequences through the blocks of `span` on its server."""
-    tensors = {"hidden": hidden} if token_mask is None else {"hidden": hidden, "token_mask": token_mask.to(torch.bool)}
-    message = ForwardMessage(start_block=span.start, end_block=span.end, codecs=LAYOUTS)
-    request = pack(message, tensors, policy)
-    stub = block_service_stub(p2p, span.peer_id)
-    responses = await stub.rpc_forward(single(request))
-    reply = await asyncio.wait_for(anext(aiter(responses), None), timeout)
-    if reply is None:
-        raise ConnectionError(f"server {span.peer_id} closed the forward stream without answering")
-    message, tensors = unpack(reply)
-    if isinstance(message, ErrorMessage):
-        if message.error_kind == ErrorKind.INVALID:
-            raise RequestRejected(f"server {span.peer_id} rejected the forward: {message.error}")
-        raise ConnectionError(f"server {span.peer_id}: {message.error}")
-    return tensors["hidden"]
 
 
 class Verifier:

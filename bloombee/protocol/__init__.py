@@ -4,6 +4,7 @@ from bloombee.protocol.errors import InvalidStep
 from bloombee.protocol.features import PROTOCOL_FEATURES, REQUIRED_FEATURES, Feature, announced_features
 from bloombee.protocol.messages import (
     AckMessage,
+    BackwardMessage,
     EncodedTensors,
     ErrorKind,
     ErrorMessage,
@@ -45,6 +46,7 @@ __all__ = [
     "REQUIRED_FEATURES",
     "STEP_TENSORS",
     "AckMessage",
+    "BackwardMessage",
     "Compaction",
     "EncodedTensors",
     "ErrorKind",

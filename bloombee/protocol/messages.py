@@ -30,6 +30,7 @@ class MessageKind(str, Enum):
     ACK = "ack"  # server -> pushing server: the pushed step was queued
     HISTORY = "history"  # client -> server: send back your outputs for positions [0, end); server -> client: them
     FORWARD = "forward"  # client -> server: stateless forward over the given blocks
+    BACKWARD = "backward"  # client -> server: gradients through a forward the server kept
     INFO = "info"  # client -> server: describe yourself; server -> client: the description
     ERROR = "error"  # any direction: what went wrong
 
@@ -178,11 +179,22 @@ class HistoryMessage(_StepReply):
 
 
 class ForwardMessage(_Message):
-    """Client -> server: a stateless forward over blocks [start_block, end_block), the reply in one of `codecs`."""
+    """Client -> server: a stateless forward over blocks [start_block, end_block), the reply in one of `codecs`;
+    with `forward_id`, the server keeps its inputs for a backward naming that id."""
 
     kind: Literal[MessageKind.FORWARD] = MessageKind.FORWARD
     start_block: int
     end_block: int
+    codecs: tuple[str, ...] | None = None
+    forward_id: str | None = Field(None, min_length=1, max_length=128)
+
+
+class BackwardMessage(_Message):
+    """Client -> server: the gradients of the inputs (and deep prompts) of the forward the server kept as
+    `forward_id`, given its outputs' gradients; the server forgets that forward."""
+
+    kind: Literal[MessageKind.BACKWARD] = MessageKind.BACKWARD
+    forward_id: str = Field(min_length=1, max_length=128)
     codecs: tuple[str, ...] | None = None
 
 
@@ -204,7 +216,7 @@ class ErrorMessage(_Message):
 
 
 Message = Annotated[OpenMessage | OpenedMessage | StepMessage | OutputMessage | AckMessage | HistoryMessage
-                    | ForwardMessage | InfoMessage | ErrorMessage, Field(discriminator="kind")]
+                    | ForwardMessage | BackwardMessage | InfoMessage | ErrorMessage, Field(discriminator="kind")]
 _MESSAGE = TypeAdapter(Message)
 
 

@@ -23,6 +23,10 @@ class BlockService(ServicerBase):
         """Stateless forward of whole sequences over a block range."""
         raise NotImplementedError
 
+    async def rpc_backward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        """Gradients through forwards the server kept for a backward."""
+        raise NotImplementedError
+
     async def rpc_push(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         """Steps pushed by the previous server of a session's chain."""
         raise NotImplementedError

@@ -325,11 +325,34 @@ class BlockBackend:
         return offsets
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None) -> torch.Tensor:
-        """Stateless forward of whole sequences through blocks [start_block, end_block)."""
+    def forward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None,
+                prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """Stateless forward of whole sequences through blocks [start_block, end_block), with deep `prompts`
+        [blocks, batch, prefix, hidden] added at the prefix positions before each block if given."""
+        return self._stateless(hidden, start_block, end_block, token_mask, prompts)
+
+    def backward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None,
+                 prompts: torch.Tensor | None, grad_outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of `hidden` (and of `prompts`) through the forward `forward` computes of them, given its outputs'
+        gradients; the blocks' weights stay frozen."""
+        if tuple(grad_outputs.shape) != tuple(hidden.shape) or not grad_outputs.is_floating_point():
+            raise InvalidStep(f"the outputs' gradients must be floating point of the inputs' shape {list(hidden.shape)}, "
+                              f"got {grad_outputs.dtype} {list(grad_outputs.shape)}")
+        inputs = [hidden.to(self.device, self.dtype).requires_grad_()]
+        if prompts is not None:
+            inputs.append(prompts.to(self.device, self.dtype).requires_grad_())
+        with torch.enable_grad():
+            out = self._stateless(inputs[0], start_block, end_block, token_mask, inputs[1] if prompts is not None else None)
+            grads = torch.autograd.grad(out, inputs, grad_outputs.to(out.device, out.dtype))
+        return grads[0], grads[1] if prompts is not None else None
+
+    def _stateless(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None,
+                   prompts: torch.Tensor | None) -> torch.Tensor:
         self.check_range(start_block, end_block)
         self._check_hidden(hidden)
         batch, num_tokens = hidden.shape[:2]
+        if prompts is not None:
+            self._check_prompts(prompts, end_block - start_block, batch, num_tokens)
         if token_mask is None:
             key_padding = torch.ones(batch, num_tokens, dtype=torch.bool, device=self.device)
         elif tuple(token_mask.shape) != (batch, num_tokens):
@@ -340,4 +363,12 @@ class BlockBackend:
         cache_positions = torch.arange(num_tokens, device=self.device)
         mask = stateless_causal_mask(num_tokens, key_padding)
         return self.stack(hidden.to(self.device, self.dtype), rope_positions, None, cache_positions, mask,
-                          block_range=(start_block, end_block))
+                          block_range=(start_block, end_block),
+                          prompts=prompts.to(self.device, self.dtype) if prompts is not None else None)
+
+    def _check_prompts(self, prompts: torch.Tensor, blocks: int, batch: int, num_tokens: int) -> None:
+        """Raise InvalidStep unless deep prompts are [blocks, batch, prefix <= tokens, hidden] floating point."""
+        if (prompts.ndim != 4 or tuple(prompts.shape[:2]) != (blocks, batch) or prompts.shape[2] > num_tokens
+                or prompts.shape[3] != self.hidden_size or not prompts.is_floating_point()):
+            raise InvalidStep(f"deep prompts must be floating point [{blocks} blocks, {batch} rows, prefix of at most "
+                              f"{num_tokens} tokens, {self.hidden_size}], got {prompts.dtype} {list(prompts.shape)}")

@@ -14,6 +14,7 @@ from bloombee.codec import CompressionPolicy
 from bloombee.protocol import (
     STEP_TENSORS,
     AckMessage,
+    BackwardMessage,
     EncodedTensors,
     ErrorKind,
     ErrorMessage,
@@ -43,6 +44,7 @@ from bloombee.server.memory import SessionRefused
 from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session, SessionRegistry
 from bloombee.server.throughput import ThroughputMeter
+from bloombee.server.training import KeptForward, KeptForwards
 from bloombee.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class BlockServicer:
                                    self._forward_done)
         self.codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-codec")
         self.push_stats = PushStats()
+        self.kept_forwards = KeptForwards(settings.kept_forward_bytes, settings.kept_forward_timeout)
         self.p2p: P2P | None = None
         self.peer_id = ""
         self.sessions_served = 0
@@ -101,18 +104,47 @@ class BlockServicer:
         return pack(InfoMessage(info=self._info()))
 
     async def rpc_forward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        peer = context.remote_id.to_base58()
         async for request in requests:
             try:
-                message, tensors = unpack(request, self.max_request_bytes, ("hidden", "token_mask"))
+                message, tensors = unpack(request, self.max_request_bytes, ("hidden", "token_mask", "prompts"))
                 self._check_forward(message, tensors)
-                out = await self.run_compute(self.backend.forward, tensors["hidden"], message.start_block, message.end_block, tensors.get("token_mask"))
-                policy = self._policy(context.remote_id.to_base58(), self.link_bandwidth, message.codecs or ())
-                yield pack(OutputMessage(), {"hidden": out}, policy)
+                hidden, token_mask, prompts = tensors["hidden"], tensors.get("token_mask"), tensors.get("prompts")
+                out = await self.run_compute(self.backend.forward, hidden, message.start_block, message.end_block,
+                                             token_mask, prompts)
+                if message.forward_id is not None:
+                    self.kept_forwards.keep(message.forward_id, KeptForward(peer, message.start_block,
+                                                                            message.end_block, hidden, token_mask, prompts))
+                yield pack(OutputMessage(), {"hidden": out}, self._policy(peer, self.link_bandwidth, message.codecs or ()))
             except Exception as error:
-                kind, text = error_reply(error)
-                if kind == ErrorKind.INTERNAL:
-                    logger.exception("A forward request failed")
-                yield self.metrics.refusal(kind, text)
+                yield self._refusal(error, "A forward request failed")
+
+    async def rpc_backward(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        peer = context.remote_id.to_base58()
+        async for request in requests:
+            try:
+                message, tensors = unpack(request, self.max_request_bytes, ("grad_outputs",))
+                if not isinstance(message, BackwardMessage) or "grad_outputs" not in tensors:
+                    raise InvalidStep("a backward request is a message of kind 'backward' with a 'grad_outputs' tensor")
+                kept = self.kept_forwards.find(message.forward_id, peer)
+                grad_inputs, grad_prompts = await self.run_compute(
+                    self.backend.backward, kept.hidden, kept.start_block, kept.end_block, kept.token_mask,
+                    kept.prompts, tensors["grad_outputs"])
+                self.kept_forwards.forget(message.forward_id)
+                grads = {"grad_inputs": grad_inputs} if grad_prompts is None else {"grad_inputs": grad_inputs,
+                                                                                  "grad_prompts": grad_prompts}
+                yield pack(OutputMessage(), grads, self._policy(peer, self.link_bandwidth, message.codecs or ()))
+            except Exception as error:
+                yield self._refusal(error, "A backward request failed")
+
+    def _refusal(self, error: Exception, what: str) -> Envelope:
+        """The error reply to a failed forward or backward: refused (a budget), invalid (bad input) or internal."""
+        if isinstance(error, SessionRefused):
+            return self.metrics.refusal(ErrorKind.REFUSED, str(error))
+        kind, text = error_reply(error)
+        if kind == ErrorKind.INTERNAL:
+            logger.exception(what)
+        return self.metrics.refusal(kind, text)
 
     def _check_forward(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
         """Raise InvalidStep unless a forward request is one, with hidden states, within this server's length limits:

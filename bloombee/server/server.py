@@ -237,7 +237,8 @@ class Server:
                 "links": self.servicer.link_reports(), "push_buffer_bytes": self.settings.push_buffer_bytes,
                 "push": asdict(self.servicer.push_stats),
                 "forwards": {"count": self.servicer.batcher.forwards, "steps": self.servicer.batcher.steps,
-                             "seconds": self.servicer.batcher.forward_seconds}}
+                             "seconds": self.servicer.batcher.forward_seconds},
+                "kept_forwards": {"count": len(self.servicer.kept_forwards), "bytes": self.servicer.kept_forwards.nbytes}}
 
     def _announce(self) -> None:
         if not self.dht.is_alive():

@@ -80,15 +80,25 @@ class BlockStack(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope_positions: torch.Tensor, caches: list[KVCache] | None,
                 cache_positions: torch.Tensor, attention_mask: torch.Tensor | None,
-                batch_offset: int = 0, block_range: tuple[int, int] | None = None) -> torch.Tensor:
-        """Run blocks ``block_range`` (absolute indices, default all hosted) with one cache each."""
+                batch_offset: int = 0, block_range: tuple[int, int] | None = None,
+                prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """Run blocks ``block_range`` (absolute indices, default all hosted) with one cache each; deep ``prompts``
+        [blocks, rows, prefix, H], if given, are added to the first prefix positions of each row before each block."""
         lo, hi = self.local_range(block_range)
         self._check_inputs(hidden, rope_positions, caches, cache_positions, attention_mask, hi - lo)
         rows, tokens, width = hidden.shape
         segment = Segment(rows, tokens, cache_positions, attention_mask, caches, batch_offset)
-        out = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
-                                  block_range)
-        return out.view(rows, tokens, width)
+        if prompts is None:
+            out = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
+                                      block_range)
+            return out.view(rows, tokens, width)
+        for index, block in enumerate(range(self.start + lo, self.start + hi)):
+            hidden = hidden + F.pad(prompts[index], (0, 0, 0, tokens - prompts.shape[2]))
+            segment = Segment(rows, tokens, cache_positions, attention_mask,
+                              caches[index:index + 1] if caches is not None else None, batch_offset)
+            hidden = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
+                                         (block, block + 1)).view(rows, tokens, width)
+        return hidden
 
     def forward_packed(self, hidden: torch.Tensor, rope_positions: torch.Tensor, segments: Sequence[Segment],
                        block_range: tuple[int, int] | None = None) -> torch.Tensor:
