@@ -48,6 +48,9 @@ class ServerSettings(BaseModel):
     session_timeout: float = Field(300.0, gt=0, description="seconds a session may stay idle before its cache is freed")
     push_buffer_bytes: int = Field(32 << 20, ge=1, description="bytes a session may queue for the next server "
                                    "before its pipeline waits (back-pressure)")
+    adapters: tuple[str, ...] = Field((), description="LoRA adapters to serve with the blocks: peft folders or hub "
+                                      "ids (comma-separated in BLOOMBEE_ADAPTERS); a client picks one by the same name "
+                                      "with active_adapter")
     kept_forward_bytes: int = Field(256 << 20, ge=1, description="bytes of training clients' span inputs the "
                                     "server keeps at once for their backward")
     kept_forward_timeout: float = Field(120.0, gt=0, description="seconds a forward kept for a backward waits for it "
@@ -73,6 +76,11 @@ class ServerSettings(BaseModel):
                                 "acknowledgement past when its bytes should have arrived over the link (or for room in "
                                 "the push buffer) before the push counts as failed")
 
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _names(cls, value):
+        return tuple(part.strip() for part in value.split(",") if part.strip()) if isinstance(value, str) else value
 
     @field_validator("device_memory", "host_memory")
     @classmethod
@@ -141,6 +149,9 @@ class ClientSettings(BaseModel):
                                                   "them (measured when the model loads: a few seconds for a large "
                                                   "vocabulary on a CPU), so that with servers in --batch-invariant "
                                                   "on a speculative tree's tokens equal plain decoding's")
+    active_adapter: str | None = Field(None, description="the LoRA adapter this client's sessions and forwards "
+                                       "compute, by the name its servers were given with --adapters; only servers "
+                                       "holding it are routed to (unset: the base model)")
     verify_probability: float = Field(0.0, ge=0.0, le=1.0, description="verify untrusted servers: with this "
                                       "probability per step, and always at a server's first step in a session, "
                                       "recompute each span's output on another server holding its blocks and ban "

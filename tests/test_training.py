@@ -136,11 +136,11 @@ def test_a_tuned_model_generates_what_the_local_model_does_with_its_prompts(swar
 
 def test_kept_forwards_are_bounded_in_bytes_and_forgotten_after_their_timeout():
     kept = KeptForwards(max_bytes=1024, timeout_s=0.2)
-    kept.keep("a", KeptForward("peer", 0, 4, torch.zeros(1, 2, 64), None, None))  # 512 bytes
+    kept.keep("a", KeptForward("peer", 0, 4, torch.zeros(1, 2, 64), None, None, None))  # 512 bytes
     with pytest.raises(SessionRefused, match="kept-forward-bytes 1024"):
-        kept.keep("b", KeptForward("peer", 0, 4, torch.zeros(1, 3, 64), None, None))
+        kept.keep("b", KeptForward("peer", 0, 4, torch.zeros(1, 3, 64), None, None, None))
     with pytest.raises(InvalidStep, match="is kept already"):
-        kept.keep("a", KeptForward("peer", 0, 4, torch.zeros(1, 1, 64), None, None))
+        kept.keep("a", KeptForward("peer", 0, 4, torch.zeros(1, 1, 64), None, None, None))
     with pytest.raises(InvalidStep, match="another peer"):
         kept.find("a", "someone else")
     assert kept.find("a", "peer").hidden.shape == (1, 2, 64)

@@ -206,7 +206,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseM
     for name, field in settings_cls.model_fields.items():
         annotation = field.annotation if field.annotation in (int, float, str) else str
         help_text = f"{field.description or name} (default {field.default})"
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=annotation, default=None, help=help_text)
+        nargs = "+" if field.annotation == tuple[str, ...] else None
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=annotation, default=None, help=help_text,
+                           nargs=nargs)
 
 
 def settings_overrides(args: argparse.Namespace, settings_cls: type[BaseModel]) -> dict[str, Any]:

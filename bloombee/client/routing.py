@@ -101,6 +101,8 @@ class SequenceManager:
             return False
         if record.quant_type not in self.settings.accepted_quant_types:
             return False
+        if self.settings.active_adapter is not None and self.settings.active_adapter not in record.adapters:
+            return False
         problem = incompatibility(record)
         if problem is not None:
             if peer_id not in self._incompatible:

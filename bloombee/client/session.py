@@ -167,7 +167,7 @@ class InferenceSession(ChainRepair):
             stream = SpanStream(span, self._events)
             try:
                 await stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.figures.link_bandwidth,
-                                  self.settings.open_timeout, self.settings.compression)
+                                  self.settings.open_timeout, self.settings.compression, self.settings.active_adapter)
             except Exception as error:  # refused, unreachable or timed out: the caller decides
                 return opened, (stream, error)
             opened.append(stream)

@@ -39,15 +39,16 @@ class StreamClosed(ConnectionError):
 
 async def forward_span(p2p: P2P, span: Span, hidden: torch.Tensor, token_mask: torch.Tensor | None,
                        policy: CompressionPolicy, timeout: float, prompts: torch.Tensor | None = None,
-                       forward_id: str | None = None) -> torch.Tensor:
-    """Stateless forward of whole sequences through the blocks of `span` on its server, with the span's deep
-    `prompts`; with `forward_id` the server keeps the inputs for a backward."""
+                       forward_id: str | None = None, adapter: str | None = None) -> torch.Tensor:
+    """Stateless forward of whole sequences through the blocks of `span` on its server computing LoRA `adapter`,
+    with the span's deep `prompts`; with `forward_id` the server keeps the inputs for a backward."""
     tensors = {"hidden": hidden}
     if token_mask is not None:
         tensors["token_mask"] = token_mask.to(torch.bool)
     if prompts is not None:
         tensors["prompts"] = prompts.contiguous()
-    message = ForwardMessage(start_block=span.start, end_block=span.end, codecs=LAYOUTS, forward_id=forward_id)
+    message = ForwardMessage(start_block=span.start, end_block=span.end, codecs=LAYOUTS, forward_id=forward_id,
+                             adapter=adapter)
     stub = block_service_stub(p2p, span.peer_id)
     tensors = await _reply(await stub.rpc_forward(single(pack(message, tensors, policy))), span, "forward", timeout)
     return tensors["hidden"]
@@ -142,7 +143,8 @@ class StatelessChain:
                 try:
                     out = await forward_span(self.remote.p2p, span, hidden, self._mask(rows),
                                              self.remote.policy_for(span.peer_id, span.record), self.settings.request_timeout,
-                                             prompts[span.start:span.end] if prompts is not None else None, forward_id)
+                                             prompts[span.start:span.end] if prompts is not None else None, forward_id,
+                                             self.settings.active_adapter)
                 except FAILURES as error:
                     logger.warning("Forward through %s failed (%r); re-routing", span.peer_id, error)
                     self._ban(span, error)

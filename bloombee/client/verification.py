@@ -142,7 +142,8 @@ class Verifier:
         for attempt in range(FORWARD_ATTEMPTS):
             try:
                 return await forward_span(self.p2p, span, inputs, None if bool(mask.all()) else mask,
-                                          self.policy_for(span.peer_id, span.record), self.settings.request_timeout)
+                                          self.policy_for(span.peer_id, span.record), self.settings.request_timeout,
+                                          adapter=self.settings.active_adapter)
             except RequestRejected as error:
                 logger.info("Server %s cannot verify: %s", span.peer_id, error)
                 return None

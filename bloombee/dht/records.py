@@ -54,6 +54,8 @@ class ServerRecord(BaseModel):
     codec_version: int = Field(0, description="bloombee.codec frame version this server reads and writes; 0: unknown")
     codecs: tuple[str, ...] = ()
     features: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = Field((), description="LoRA adapters a session may compute, by the names the server "
+                                      "was given (--adapters)")
     maddrs: tuple[str, ...] = ()
     profile: NodeProfile | None = Field(None, description="planner node measured by its profile: memory, cost table, link, codec")
     max_length: int | None = Field(None, ge=1, description="longest session (prompt + generated positions) this "

@@ -95,6 +95,8 @@ class OpenSession(BaseModel):
     link_bandwidth: float | None = Field(None, gt=0, description="the client's link, bytes/s")
     compression: Literal["on", "off"] | None = Field(
         None, description="the client's codec mode for what this server sends in the session, over its --compression")
+    adapter: str | None = Field(None, min_length=1, max_length=1024, description="the LoRA adapter the session "
+                                "computes, by the name its servers were given (None: the base model)")
 
 
 class StepHeader(BaseModel):
@@ -187,6 +189,7 @@ class ForwardMessage(_Message):
     end_block: int
     codecs: tuple[str, ...] | None = None
     forward_id: str | None = Field(None, min_length=1, max_length=128)
+    adapter: str | None = Field(None, min_length=1, max_length=1024, description="as OpenSession.adapter")
 
 
 class BackwardMessage(_Message):

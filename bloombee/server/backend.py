@@ -15,6 +15,7 @@ from bloombee.models.core.packing import Segment, segment_slices
 from bloombee.models.core.quantize import module_weight_bytes
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.protocol import ErrorKind, InvalidStep
+from bloombee.server.adapters import Adapters
 from bloombee.server.memory import SessionBytes
 from bloombee.server.sessions import Session
 from bloombee.speculative.pruning import TreePruner
@@ -61,6 +62,7 @@ class BlockBackend:
         self.max_chunk_tokens: int | None = None  # most tokens (rows x positions) of one step of consecutive tokens
         self.batch_invariant = False  # whether the blocks' linear layers were made batch-invariant (models.core.invariance)
         self.exact_trees = False  # whether a tree's nodes are attended one at a time (their outputs equal plain decoding)
+        self.adapters = Adapters(stack, ())  # the LoRA adapters loaded into the blocks (--adapters)
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):
@@ -193,13 +195,14 @@ class BlockBackend:
                             rope_positions.to(self.device, torch.long).reshape(-1), segment, finish)
 
     @torch.inference_mode()
-    def run(self, steps: list[PreparedStep]) -> list:
-        """One forward of prepared steps of the same blocks (of one or several sessions); each step's result, or the
-        exception its finishing raised."""
+    def run(self, steps: list[PreparedStep], adapter: str | None = None) -> list:
+        """One forward of prepared steps of the same blocks and adapter (of one or several sessions); each step's
+        result, or the exception its finishing raised."""
         segments = [step.segment for step in steps]
-        out = self.stack.forward_packed(torch.cat([step.hidden for step in steps]),
-                                        torch.cat([step.rope_positions for step in steps]), segments,
-                                        block_range=steps[0].block_range)
+        with self.adapters.active(adapter):
+            out = self.stack.forward_packed(torch.cat([step.hidden for step in steps]),
+                                            torch.cat([step.rope_positions for step in steps]), segments,
+                                            block_range=steps[0].block_range)
         results = []
         for step, part in zip(steps, segment_slices(segments)):
             try:
@@ -326,13 +329,15 @@ class BlockBackend:
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None,
-                prompts: torch.Tensor | None = None) -> torch.Tensor:
-        """Stateless forward of whole sequences through blocks [start_block, end_block), with deep `prompts`
-        [blocks, batch, prefix, hidden] added at the prefix positions before each block if given."""
-        return self._stateless(hidden, start_block, end_block, token_mask, prompts)
+                prompts: torch.Tensor | None = None, adapter: str | None = None) -> torch.Tensor:
+        """Stateless forward of whole sequences through blocks [start_block, end_block) with `adapter`, with deep
+        `prompts` [blocks, batch, prefix, hidden] added at the prefix positions before each block if given."""
+        with self.adapters.active(adapter):
+            return self._stateless(hidden, start_block, end_block, token_mask, prompts)
 
     def backward(self, hidden: torch.Tensor, start_block: int, end_block: int, token_mask: torch.Tensor | None,
-                 prompts: torch.Tensor | None, grad_outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 prompts: torch.Tensor | None, grad_outputs: torch.Tensor,
+                 adapter: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients of `hidden` (and of `prompts`) through the forward `forward` computes of them, given its outputs'
         gradients; the blocks' weights stay frozen."""
         if tuple(grad_outputs.shape) != tuple(hidden.shape) or not grad_outputs.is_floating_point():
@@ -341,7 +346,7 @@ class BlockBackend:
         inputs = [hidden.to(self.device, self.dtype).requires_grad_()]
         if prompts is not None:
             inputs.append(prompts.to(self.device, self.dtype).requires_grad_())
-        with torch.enable_grad():
+        with torch.enable_grad(), self.adapters.active(adapter):
             out = self._stateless(inputs[0], start_block, end_block, token_mask, inputs[1] if prompts is not None else None)
             grads = torch.autograd.grad(out, inputs, grad_outputs.to(out.device, out.dtype))
         return grads[0], grads[1] if prompts is not None else None

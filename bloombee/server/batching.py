@@ -51,6 +51,7 @@ class ForwardTiming:
 @dataclass(eq=False)
 class _Waiting:
     block_range: tuple[int, int]
+    adapter: str | None
     rows: int
     tokens: int
     prepare: Callable[[], PreparedStep]  # called just before the forward, where it runs
@@ -74,12 +75,12 @@ class StepBatcher:
         self._task: asyncio.Task | None = None
 
     async def compute(self, block_range: tuple[int, int], rows: int, tokens: int,
-                      prepare: Callable[[], PreparedStep]) -> tuple[Any, ForwardTiming]:
-        """The result of the step `prepare()` makes (called just before its forward) and the forward it went through;
-        raises what preparing or finishing the step raised."""
+                      prepare: Callable[[], PreparedStep], adapter: str | None = None) -> tuple[Any, ForwardTiming]:
+        """The result of the step `prepare()` makes (called just before its forward, computing `adapter`) and the
+        forward it went through; raises what preparing or finishing the step raised."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
-        waiting = _Waiting(block_range, rows, tokens, prepare, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(block_range, adapter, rows, tokens, prepare, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         self._arrived.set()
         try:
@@ -128,11 +129,11 @@ class StepBatcher:
 
     async def _run(self, batch: list[_Waiting]) -> tuple[list, ForwardTiming]:
         """`_forward` of `batch`: on the event loop if it is predicted short, in the compute thread otherwise."""
-        prepares = [waiting.prepare for waiting in batch]
+        prepares, adapter = [waiting.prepare for waiting in batch], batch[0].adapter
         first, last = batch[0].block_range
         if self.predict_seconds(sum(waiting.tokens for waiting in batch), last - first) <= INLINE_FORWARD_S:
-            return self._forward(prepares)
-        return await self.run_compute(self._forward, prepares)
+            return self._forward(prepares, adapter)
+        return await self.run_compute(self._forward, prepares, adapter)
 
     async def _settle(self) -> None:
         """Let steps the server has already received reach the batcher (each passes a few queues on the way): turns
@@ -162,14 +163,15 @@ class StepBatcher:
                 or sum(waiting.tokens for waiting in self._waiting) >= self.limits.max_tokens)
 
     def _take(self) -> list[_Waiting]:
-        """The oldest waiting step, then in arrival order each other of its blocks that fits the limits."""
+        """The oldest waiting step, then in arrival order each other of its blocks and adapter that fits the limits."""
         live = [waiting for waiting in self._waiting if not waiting.done.done()]
         if not live:
             self._waiting.clear()
             return []
         batch, rows, tokens = [live[0]], live[0].rows, live[0].tokens
         for waiting in live[1:]:
-            if (waiting.block_range == batch[0].block_range and rows + waiting.rows <= self.limits.max_rows
+            if (waiting.block_range == batch[0].block_range and waiting.adapter == batch[0].adapter
+                    and rows + waiting.rows <= self.limits.max_rows
                     and tokens + waiting.tokens <= self.limits.max_tokens):
                 batch.append(waiting)
                 rows, tokens = rows + waiting.rows, tokens + waiting.tokens
@@ -177,7 +179,7 @@ class StepBatcher:
         self._waiting = [waiting for waiting in live if id(waiting) not in taken]
         return batch
 
-    def _forward(self, prepares: list[Callable[[], PreparedStep]]) -> tuple[list, ForwardTiming]:
+    def _forward(self, prepares: list[Callable[[], PreparedStep]], adapter: str | None) -> tuple[list, ForwardTiming]:
         """Prepare each step (a step that fails to is refused alone), one forward for the rest, each step's result or
         error, and the forward's timing."""
         began_at, began, began_cpu = time.time(), time.perf_counter(), time.thread_time()
@@ -190,7 +192,7 @@ class StepBatcher:
             except Exception as error:
                 outcomes.append(error)
         if prepared:
-            for (index, _), result in zip(prepared, self.backend.run([step for _, step in prepared])):
+            for (index, _), result in zip(prepared, self.backend.run([step for _, step in prepared], adapter)):
                 outcomes[index] = result
         blocks = prepared[0][1].block_range if prepared else (0, 0)
         timing = ForwardTiming(began_at, time.perf_counter() - began, time.thread_time() - began_cpu,

@@ -111,10 +111,10 @@ class BlockServicer:
                 self._check_forward(message, tensors)
                 hidden, token_mask, prompts = tensors["hidden"], tensors.get("token_mask"), tensors.get("prompts")
                 out = await self.run_compute(self.backend.forward, hidden, message.start_block, message.end_block,
-                                             token_mask, prompts)
+                                             token_mask, prompts, message.adapter)
                 if message.forward_id is not None:
-                    self.kept_forwards.keep(message.forward_id, KeptForward(peer, message.start_block,
-                                                                            message.end_block, hidden, token_mask, prompts))
+                    self.kept_forwards.keep(message.forward_id, KeptForward(
+                        peer, message.start_block, message.end_block, hidden, token_mask, prompts, message.adapter))
                 yield pack(OutputMessage(), {"hidden": out}, self._policy(peer, self.link_bandwidth, message.codecs or ()))
             except Exception as error:
                 yield self._refusal(error, "A forward request failed")
@@ -129,7 +129,7 @@ class BlockServicer:
                 kept = self.kept_forwards.find(message.forward_id, peer)
                 grad_inputs, grad_prompts = await self.run_compute(
                     self.backend.backward, kept.hidden, kept.start_block, kept.end_block, kept.token_mask,
-                    kept.prompts, tensors["grad_outputs"])
+                    kept.prompts, tensors["grad_outputs"], kept.adapter)
                 self.kept_forwards.forget(message.forward_id)
                 grads = {"grad_inputs": grad_inputs} if grad_prompts is None else {"grad_inputs": grad_inputs,
                                                                                   "grad_prompts": grad_prompts}
@@ -235,13 +235,14 @@ class BlockServicer:
             raise SessionRefused(f"batch size {request.batch_size} is over this server's limit of {self.settings.max_batch_size}")
         if request.max_length > self.settings.max_length:
             raise SessionRefused(f"max_length {request.max_length} is over this server's limit of {self.settings.max_length}")
+        self.backend.adapters.check(request.adapter)
         need = self.backend.session_bytes(request.start_block, request.end_block, request.batch_size, request.max_length)
         await self.registry.budget.reserve(need, self.settings.alloc_timeout)
         try:
             session = self.backend.new_session(
                 request.session_id, request.start_block, request.end_block, request.batch_size, request.max_length,
                 reply_codecs=request.codecs, client_peer=client_peer, client_bandwidth=request.link_bandwidth,
-                compression=request.compression)
+                compression=request.compression, adapter=request.adapter)
             self.registry.add(session)
         except BaseException:
             self.registry.budget.release(need)

@@ -302,7 +302,7 @@ class SessionPipeline:
         forward's time is what the hop report says the step computed."""
         session = self.session
         result, timing = await self.context.batcher.compute((session.start_block, session.end_block), rows, vectors,
-                                                           prepare)
+                                                           prepare, session.adapter)
         self._computed = (timing.began_at, timing.seconds, timing.cpu_seconds)
         return result
 

@@ -20,6 +20,7 @@ from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
 from bloombee.models.core.invariance import make_batch_invariant
+from bloombee.server.adapters import Adapters
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -124,6 +125,7 @@ class Server:
                                pruner=TreePruner.load(self.model_path, end, device=self.device))
         backend.offload = self._offload(backend)
         backend.max_chunk_tokens = self.settings.max_chunk_tokens
+        backend.adapters = Adapters(stack, list(self.settings.adapters))
         backend.batch_invariant, backend.exact_trees = self._make_batch_invariant(
             backend, self._cache_key(start, end, backend.dtype))
         self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))
@@ -214,6 +216,7 @@ class Server:
             features=announced_features(pruner=self.backend.pruner is not None,
                                         batch_invariant=self.backend.batch_invariant,
                                         exact_trees=self.backend.exact_trees),
+            adapters=self.backend.adapters.names,
             maddrs=tuple(str(maddr) for maddr in self.dht.get_visible_maddrs()),
             profile=self.profile,
             max_length=self.settings.max_length,

@@ -35,6 +35,7 @@ class Session:
     client_peer: str = ""
     client_bandwidth: float | None = None  # the client's link, bytes/s, as it told us
     compression: str | None = None  # the client's codec mode for this session ("on"/"off"), else the server's
+    adapter: str | None = None  # the LoRA adapter the session's steps compute (None: the base model)
     push_channel: Any = None  # the PushChannel to the next server, opened on the first push
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_DEPTH))  # bounded: back-pressure
     last_active: float = field(default_factory=time.monotonic)

@@ -24,6 +24,7 @@ class KeptForward:
     hidden: torch.Tensor  # [batch, tokens, hidden]
     token_mask: torch.Tensor | None
     prompts: torch.Tensor | None  # [blocks, batch, prefix, hidden]: deep prompts
+    adapter: str | None  # the LoRA adapter it computed
     kept_at: float = field(default_factory=time.monotonic)
 
     @property
