@@ -142,7 +142,7 @@ class FailingBackend:
     def prepare_step(self, *args):
         return "a prepared step"
 
-    def run(self, steps):
+    def run(self, steps, adapter):
         raise self.error
 
 
