@@ -8,13 +8,15 @@ import time
 
 import pytest
 import torch
+from transformers import StoppingCriteriaList
 
 from bloombee.protocol import InvalidStep
 from bloombee.server.memory import SessionRefused
 from bloombee.server.training import KeptForward, KeptForwards
-from swarm_support import NUM_BLOCKS, client, reference, save_tiny_llama, serving
+from swarm_support import NUM_BLOCKS, KillServerAt, client, reference, save_tiny_llama, serving
 
-SERVERS = {"a": "0:4", "b": "4:8", "c": "0:3", "d": "3:6", "spare": "3:6", "e": "6:8"}
+SERVERS = {"a": "0:4", "b": "4:8", "c": "0:3", "d": "3:6", "spare": "3:6", "spare2": "3:6", "e": "6:8"}
+CHAIN_WITH_SPARES = ["c", "d", "spare", "spare2", "e"]  # each test that kills a middle server leaves one to replace it
 CHAINS = {2: ["a", "b"], 3: ["c", "d", "e"]}
 PREFIX = 3
 IDS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79], [0, 0, 26, 53, 58, 97, 93, 23],
@@ -103,7 +105,7 @@ def test_loss_and_gradients_equal_local_autograd(swarm, ref, chain, mode, micro_
 
 
 def test_a_server_killed_before_the_backward_is_replaced(swarm, ref):
-    with client(swarm, tuning_mode="deep_ptune", pre_seq_len=PREFIX, allowed_servers=["c", "d", "spare", "e"]) as model:
+    with client(swarm, tuning_mode="deep_ptune", pre_seq_len=PREFIX, allowed_servers=CHAIN_WITH_SPARES) as model:
         tuning = model.prompt_tuning
         torch.nn.init.normal_(tuning.deep, std=0.1)
         chains = []
@@ -113,10 +115,27 @@ def test_a_server_killed_before_the_backward_is_replaced(swarm, ref):
         victim = chains[0][1].record.public_name
         swarm.kill(victim)
         loss.backward()
-        assert [span.record.public_name for span in chains[-1]] == [{"d": "spare", "spare": "d"}[victim]]
+        assert len(chains[-1]) == 1 and chains[-1][0].record.public_name in set(CHAIN_WITH_SPARES[1:4]) - {victim}
     shallow, deep = local_gradients(ref, tuning)
     assert relative_error(tuning.shallow.grad, shallow) < 1e-3
     assert relative_error(tuning.deep.grad, deep) < 1e-3
+
+
+def test_deep_prompts_survive_a_server_killed_mid_generation(swarm, ref):
+    """The replacement server's session opens with its blocks' deep prompts: the replay gives the same tokens."""
+    with client(swarm, tuning_mode="deep_ptune", pre_seq_len=PREFIX, allowed_servers=CHAIN_WITH_SPARES) as model:
+        torch.nn.init.normal_(model.prompt_tuning.deep, std=0.5)
+        killer = KillServerAt(swarm, model, span_index=1, after=4, prompt_length=IDS.shape[1])
+        with model.inference_session(max_length=32) as session:
+            out = model.generate(IDS[:1], max_new_tokens=10, do_sample=False,
+                                 stopping_criteria=StoppingCriteriaList([killer]))
+            assert killer.killed is not None and session.recoveries >= 1
+        ids = IDS[:1]
+        with torch.no_grad():
+            for _ in range(10):
+                logits = local_logits(ref, ids, torch.ones_like(ids), model.prompt_tuning.shallow, model.prompt_tuning.deep)
+                ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ids)
 
 
 @pytest.mark.parametrize("mode", ["ptune", "deep_ptune"])

@@ -116,11 +116,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Keep one session (and the servers' KV caches) across several generate() calls of this thread."""
         if self._active.get() is not None:
             raise RuntimeError("an inference session is already active on this model in this thread")
-        if self.prompt_tuning is not None and self.prompt_tuning.deep is not None:
-            raise ValueError("deep prompts are added at every block, which servers do in stateless forwards only: "
-                             "a deep_ptune model generates without an inference session")
-        prefix = self.prompt_tuning.pre_seq_len if self.prompt_tuning is not None else 0
-        with self.remote.inference_session(max_length + prefix, batch_size) as session:
+        tuning = self.prompt_tuning
+        prefix = tuning.pre_seq_len if tuning is not None else 0
+        deep = tuning.deep.detach() if tuning is not None and tuning.deep is not None else None
+        with self.remote.inference_session(max_length + prefix, batch_size, deep) as session:
             token = self._active.set(_ActiveSession(session))
             try:
                 yield session
@@ -158,15 +157,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return self._generate_in_session(input_ids, *args, **kwargs)
 
     def _generate_tuned(self, input_ids: torch.Tensor, draft, *args, **kwargs):
-        """generate() after the tuned prompts, decoding plainly (a draft model knows no prompts): in a session in
-        shallow mode, by stateless forwards of the whole sequence in deep mode (servers add deep prompts only there)."""
+        """generate() after the tuned prompts, decoding plainly (a draft model knows no prompts)."""
         if draft is not None and draft != "none":
             raise ValueError("speculative generation does not know a prompt-tuned model's prompts: pass "
                              "draft_model='none' or no draft_model")
-        if self.prompt_tuning.deep is None:
-            return self._generate_plain(input_ids, *args, **kwargs)
-        kwargs["use_cache"] = False
-        return super().generate(input_ids, *args, **kwargs)
+        return self._generate_plain(input_ids, *args, **kwargs)
 
     def settings_draft(self) -> DraftModel | None:
         """The draft model the draft_model setting names (auto: the one the model's generation config names, if

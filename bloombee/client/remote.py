@@ -50,10 +50,12 @@ class RemoteSequential:
                                                             figures=self.figures.link(peer_id))
             return self._policies[peer_id]
 
-    def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
-        """Open a session along the best chain; close it (or use it as a context manager) when done."""
+    def inference_session(self, max_length: int, batch_size: int = 1,
+                          prompts: torch.Tensor | None = None) -> InferenceSession:
+        """Open a session along the best chain, with deep `prompts` [blocks, prefix, hidden] added at its first
+        prefix slots if given; close it (or use it as a context manager) when done."""
         session = InferenceSession(self.manager, self.p2p, max_length, batch_size, self.hidden_size, self.settings,
-                                   self.policy_for, self.figures, self.choose_micro_batches)
+                                   self.policy_for, self.figures, self.choose_micro_batches, prompts)
         return session.open()
 
     def session_length_limit(self) -> int | None:

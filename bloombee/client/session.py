@@ -67,8 +67,9 @@ class InferenceSession(ChainRepair):
 
     def __init__(self, manager: SequenceManager, p2p: P2P, max_length: int, batch_size: int, hidden_size: int,
                  settings: ClientSettings, policy_for: Callable[[str, ServerRecord], CompressionPolicy], figures: ChainFigures,
-                 choose_micro_batches: MicroBatchChooser):
+                 choose_micro_batches: MicroBatchChooser, prompts: torch.Tensor | None = None):
         self.manager, self.p2p, self.settings = manager, p2p, settings
+        self.prompts = prompts  # [blocks, prefix, hidden]: deep prompts, each server given its blocks' at opening
         self.choose_micro_batches = choose_micro_batches
         self.policy_for, self.figures = policy_for, figures  # the client's view of the chain's measured figures
         self.max_length, self.batch_size = max_length, batch_size
@@ -147,7 +148,8 @@ class InferenceSession(ChainRepair):
         same order, so two of them never each hold a server the other waits for."""
         loop = asyncio.get_running_loop()
         for _ in range(self.settings.max_retries + 1):
-            spans = await loop.run_in_executor(None, self.manager.make_route, start, end, self.tokens)
+            features = (Feature.BACKWARD,) if self.prompts is not None else ()
+            spans = await loop.run_in_executor(None, self.manager.make_route, start, end, self.tokens, features)
             opened, failure = await self._open_in_order(spans)
             if failure is None:
                 return opened
@@ -167,7 +169,8 @@ class InferenceSession(ChainRepair):
             stream = SpanStream(span, self._events)
             try:
                 await stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.figures.link_bandwidth,
-                                  self.settings.open_timeout, self.settings.compression, self.settings.active_adapter)
+                                  self.settings.open_timeout, self.settings.compression, self.settings.active_adapter,
+                                  self.prompts[span.start:span.end] if self.prompts is not None else None)
             except Exception as error:  # refused, unreachable or timed out: the caller decides
                 return opened, (stream, error)
             opened.append(stream)

@@ -5,6 +5,7 @@ import logging
 import uuid
 from typing import AsyncIterator
 
+import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
@@ -38,16 +39,18 @@ class SpanStream:
         self._reader: asyncio.Task | None = None
 
     async def open(self, p2p: P2P, max_length: int, batch_size: int, codecs: tuple[str, ...], link_bandwidth: float,
-                   timeout: float, compression: str = "auto", adapter: str | None = None) -> None:
-        """Open the session (computing LoRA `adapter`, None: the base model); raises RequestRejected when the server
-        refuses it, ConnectionError when unreachable. A `compression` of "on" or "off" asks the server to send this
-        session's outputs so, where it announces that."""
+                   timeout: float, compression: str = "auto", adapter: str | None = None,
+                   prompts: torch.Tensor | None = None) -> None:
+        """Open the session (computing LoRA `adapter`, None: the base model; with the span's deep `prompts`
+        [blocks, prefix, hidden] if given); raises RequestRejected when the server refuses it, ConnectionError when
+        unreachable. A `compression` of "on" or "off" asks the server to send this session's outputs so, where it
+        announces that."""
         announced = Feature.SESSION_COMPRESSION in self.span.record.features
         asked = compression if compression != "auto" and announced else None
         request = OpenSession(session_id=self.session_id, start_block=self.span.start, end_block=self.span.end,
                               max_length=max_length, batch_size=batch_size, codecs=codecs, link_bandwidth=link_bandwidth,
                               compression=asked, adapter=adapter)
-        await self._outbox.put(pack(OpenMessage(open=request)))
+        await self._outbox.put(pack(OpenMessage(open=request), {"prompts": prompts} if prompts is not None else None))
         stub = block_service_stub(p2p, self.span.peer_id)
         responses = await asyncio.wait_for(stub.rpc_inference(queue_stream(self._outbox)), timeout)
         first = await asyncio.wait_for(anext(aiter(responses), None), timeout)

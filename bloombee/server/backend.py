@@ -88,11 +88,15 @@ class BlockBackend:
         return SessionBytes(device, host)
 
     def new_session(self, session_id: str, start_block: int, end_block: int, batch_size: int, max_length: int,
-                    offload: float | None = None, **client) -> Session:
-        """A session's state for blocks [start_block, end_block); `client` sets the client-side fields of Session."""
+                    offload: float | None = None, prompts: torch.Tensor | None = None, **client) -> Session:
+        """A session's state for blocks [start_block, end_block), with their deep `prompts` [blocks, prefix, hidden]
+        if given; `client` sets the client-side fields of Session."""
         self.check_range(start_block, end_block)
+        if prompts is not None:
+            self._check_prompts(prompts[:, None], end_block - start_block, 1, max_length)
+            prompts = prompts.to(self.device, self.dtype)
         offload = self.offload if offload is None else offload
-        return Session(
+        return Session(prompts=prompts,
             session_id=session_id, start_block=start_block, end_block=end_block, batch_size=batch_size,
             max_length=max_length,
             caches=self.stack.new_caches(batch_size, max_length, block_range=(start_block, end_block), offload=offload),
@@ -189,7 +193,8 @@ class BlockBackend:
                   cache_positions: torch.Tensor, mask: torch.Tensor, batch_offset: int, finish,
                   tree_start: int | None = None) -> PreparedStep:
         rows, tokens = hidden.shape[:2]
-        segment = Segment(rows, tokens, cache_positions, mask, session.caches, batch_offset, tree_start)
+        prompts = session.prompts[:, None].expand(-1, rows, -1, -1) if session.prompts is not None else None
+        segment = Segment(rows, tokens, cache_positions, mask, session.caches, batch_offset, tree_start, prompts)
         return PreparedStep((session.start_block, session.end_block),
                             hidden.to(self.device, self.dtype).reshape(rows * tokens, self.hidden_size),
                             rope_positions.to(self.device, torch.long).reshape(-1), segment, finish)
@@ -372,7 +377,7 @@ class BlockBackend:
                           prompts=prompts.to(self.device, self.dtype) if prompts is not None else None)
 
     def _check_prompts(self, prompts: torch.Tensor, blocks: int, batch: int, num_tokens: int) -> None:
-        """Raise InvalidStep unless deep prompts are [blocks, batch, prefix <= tokens, hidden] floating point."""
+        """Raise InvalidStep unless deep prompts are [blocks, batch, prefix <= num_tokens, hidden] floating point."""
         if (prompts.ndim != 4 or tuple(prompts.shape[:2]) != (blocks, batch) or prompts.shape[2] > num_tokens
                 or prompts.shape[3] != self.hidden_size or not prompts.is_floating_point()):
             raise InvalidStep(f"deep prompts must be floating point [{blocks} blocks, {batch} rows, prefix of at most "

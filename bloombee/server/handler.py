@@ -226,7 +226,7 @@ class BlockServicer:
                                self.push_policy, self.reply_policy, self.metrics)
 
     async def _open_session(self, envelope: Envelope, client_peer: str) -> Session:
-        message = parse_message(envelope.metadata)
+        message, tensors = unpack(envelope, self.max_request_bytes, ("prompts",))
         if not isinstance(message, OpenMessage):
             raise InvalidStep("the first message of an inference stream must open a session")
         request = message.open
@@ -242,7 +242,7 @@ class BlockServicer:
             session = self.backend.new_session(
                 request.session_id, request.start_block, request.end_block, request.batch_size, request.max_length,
                 reply_codecs=request.codecs, client_peer=client_peer, client_bandwidth=request.link_bandwidth,
-                compression=request.compression, adapter=request.adapter)
+                compression=request.compression, adapter=request.adapter, prompts=tensors.get("prompts"))
             self.registry.add(session)
         except BaseException:
             self.registry.budget.release(need)

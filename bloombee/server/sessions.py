@@ -36,6 +36,7 @@ class Session:
     client_bandwidth: float | None = None  # the client's link, bytes/s, as it told us
     compression: str | None = None  # the client's codec mode for this session ("on"/"off"), else the server's
     adapter: str | None = None  # the LoRA adapter the session's steps compute (None: the base model)
+    prompts: torch.Tensor | None = None  # [blocks, prefix, hidden]: deep prompts added at slots < prefix of every row
     push_channel: Any = None  # the PushChannel to the next server, opened on the first push
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_DEPTH))  # bounded: back-pressure
     last_active: float = field(default_factory=time.monotonic)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.offload import OffloadedKVCache
@@ -29,10 +30,23 @@ class Segment:
     caches: Sequence[Cache] | None = None
     batch_offset: int = 0
     tree_start: int | None = None  # the slot a tree step's trees begin at (None: consecutive tokens)
+    prompts: torch.Tensor | None = None  # [blocks, rows, prefix, H]: deep prompts added at slots < prefix before each block
 
     @property
     def size(self) -> int:
         return self.rows * self.tokens
+
+    def prompt_delta(self, block: int) -> torch.Tensor | None:
+        """What block `block` (of the forward) adds to this segment's vectors [size, H] before it computes: its deep
+        prompt at the slots below the prefix length (None: nothing, or no slot of this step is below it)."""
+        if self.prompts is None or self.tree_start is not None:
+            return None
+        first, prefix = int(self.cache_positions[0]), self.prompts.shape[2]
+        if first >= prefix:
+            return None
+        covered = self.prompts[block][:, first:min(prefix, first + self.tokens)]
+        delta = F.pad(covered, (0, 0, 0, self.tokens - covered.shape[1]))
+        return delta.reshape(self.size, delta.shape[-1])
 
 
 def segment_slices(segments: Sequence[Segment]) -> list[slice]:

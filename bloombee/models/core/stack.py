@@ -87,18 +87,10 @@ class BlockStack(nn.Module):
         lo, hi = self.local_range(block_range)
         self._check_inputs(hidden, rope_positions, caches, cache_positions, attention_mask, hi - lo)
         rows, tokens, width = hidden.shape
-        segment = Segment(rows, tokens, cache_positions, attention_mask, caches, batch_offset)
-        if prompts is None:
-            out = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
-                                      block_range)
-            return out.view(rows, tokens, width)
-        for index, block in enumerate(range(self.start + lo, self.start + hi)):
-            hidden = hidden + F.pad(prompts[index], (0, 0, 0, tokens - prompts.shape[2]))
-            segment = Segment(rows, tokens, cache_positions, attention_mask,
-                              caches[index:index + 1] if caches is not None else None, batch_offset)
-            hidden = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
-                                         (block, block + 1)).view(rows, tokens, width)
-        return hidden
+        segment = Segment(rows, tokens, cache_positions, attention_mask, caches, batch_offset, prompts=prompts)
+        out = self.forward_packed(hidden.reshape(rows * tokens, width), rope_positions.reshape(-1), [segment],
+                                  block_range)
+        return out.view(rows, tokens, width)
 
     def forward_packed(self, hidden: torch.Tensor, rope_positions: torch.Tensor, segments: Sequence[Segment],
                        block_range: tuple[int, int] | None = None) -> torch.Tensor:
@@ -112,11 +104,24 @@ class BlockStack(nn.Module):
         if pad:  # zero rows past the segments', so that no linear layer pads its own (core.invariance)
             hidden = F.pad(hidden, (0, 0, 0, pad))
             rotations = {kind: tuple(F.pad(t, (0, 0, 0, pad)) for t in cos_sin) for kind, cos_sin in rotations.items()}
+        prompted = any(segment.prompt_delta(0) is not None for segment in segments)
         for i, (block, cfg) in enumerate(zip(self.blocks[lo:hi], self.block_configs[lo:hi])):
+            if prompted:
+                hidden = hidden + self._prompt_deltas(segments, i, hidden)
             caches = [segment.caches[i] if segment.caches is not None else None for segment in segments]
             cos, sin = rotations.get(cfg.rope_layer_type, (None, None))
             hidden = block(hidden, cos, sin, segments, caches)
         return hidden[:rows] if pad else hidden
+
+    @staticmethod
+    def _prompt_deltas(segments: Sequence[Segment], block: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What block `block` adds to the packed vectors (padding rows included) before it: each segment's deep
+        prompts (`Segment.prompt_delta`), zeros elsewhere."""
+        parts = [segment.prompt_delta(block) for segment in segments]
+        parts = [part.to(hidden.dtype) if part is not None else hidden.new_zeros(segment.size, hidden.shape[1])
+                 for part, segment in zip(parts, segments)]
+        pad = hidden.shape[0] - sum(segment.size for segment in segments)
+        return F.pad(torch.cat(parts), (0, 0, 0, pad))
 
     @staticmethod
     def _rotation(rotary: RotaryEmbedding, dtype: torch.dtype, rope_positions: torch.Tensor,
