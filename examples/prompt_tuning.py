@@ -23,7 +23,7 @@ TRAIN_NAMES = ["add", "scale", "parse_row", "load_config", "mean", "flatten", "m
                "normalize", "split_words", "count_items", "to_json", "find_max", "save", "shuffle"]
 HELD_OUT = ["sort_pairs", "total", "unique_values"]
 ARGUMENTS = ["x", "a, b", "path", "values", "data, key", "items"]
-DOCSTRING = '    """Return the result of this function."""\n'
+DOCSTRING = '    """Compute the result."""\n'
 
 
 def example(name: str, rng: random.Random) -> tuple[str, str]:
