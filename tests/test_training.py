@@ -13,7 +13,7 @@ from transformers import StoppingCriteriaList
 from bloombee.protocol import InvalidStep
 from bloombee.server.memory import SessionRefused
 from bloombee.server.training import KeptForward, KeptForwards
-from swarm_support import NUM_BLOCKS, KillServerAt, client, reference, save_tiny_llama, serving
+from swarm_support import KillServerAt, client, reference, save_tiny_llama, serving
 
 SERVERS = {"a": "0:4", "b": "4:8", "c": "0:3", "d": "3:6", "spare": "3:6", "spare2": "3:6", "e": "6:8"}
 CHAIN_WITH_SPARES = ["c", "d", "spare", "spare2", "e"]  # each test that kills a middle server leaves one to replace it
