@@ -35,7 +35,7 @@ from bloombee.protocol import (
 )
 from bloombee.server.backend import error_reply
 from bloombee.server.pipeline import PipelineContext, SessionPipeline
-from bloombee.server.memory import MemoryBudget
+from bloombee.server.memory import MemoryBudget, SessionRefused
 from bloombee.server.batching import BatchLimits, StepBatcher
 from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session, SessionRegistry
@@ -124,6 +124,7 @@ def test_features_travel_as_strings_and_pruning_and_invariance_only_where_held()
     (CodecError("the frame's checksum does not match"), ErrorKind.INVALID),
     (ValueError("a bug in the compute"), ErrorKind.INTERNAL),
     (RuntimeError("out of memory"), ErrorKind.INTERNAL),
+    (SessionRefused("over --kept-forward-bytes"), ErrorKind.REFUSED),
 ])
 def test_only_validated_bad_input_is_the_senders_fault(error, kind):
     assert error_reply(error)[0] == kind

@@ -147,8 +147,8 @@ class InferenceSession(ChainRepair):
         opened one after another in chain order: sessions that wait for memory then queue at every server in the
         same order, so two of them never each hold a server the other waits for."""
         loop = asyncio.get_running_loop()
+        features = (Feature.BACKWARD,) if self.prompts is not None else ()
         for _ in range(self.settings.max_retries + 1):
-            features = (Feature.BACKWARD,) if self.prompts is not None else ()
             spans = await loop.run_in_executor(None, self.manager.make_route, start, end, self.tokens, features)
             opened, failure = await self._open_in_order(spans)
             if failure is None:

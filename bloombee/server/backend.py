@@ -1,7 +1,7 @@
 """Compute for the hosted blocks: session steps with KV caches and stateless forwards, on one device."""
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from bloombee.models.core.quantize import module_weight_bytes
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.protocol import ErrorKind, InvalidStep
 from bloombee.server.adapters import Adapters
-from bloombee.server.memory import SessionBytes
+from bloombee.server.memory import SessionBytes, SessionRefused
 from bloombee.server.sessions import Session
 from bloombee.speculative.pruning import TreePruner
 from bloombee.speculative.tree import (PackedTrees, TokenTree, dense_rows, depths, pack_rows, packed_rows, tree_mask,
@@ -42,9 +42,12 @@ class PreparedStep:
 
 def error_reply(error: Exception) -> tuple[ErrorKind, str]:
     """What a failure of a request tells its sender: INVALID and the reason for validated bad input (retrying
-    elsewhere will not help), else INTERNAL (this server failed: the client may fail over)."""
+    elsewhere will not help), REFUSED for a limit or budget of this server (another may take it), else INTERNAL
+    (this server failed: the client may fail over)."""
     if isinstance(error, BAD_INPUT):
         return ErrorKind.INVALID, str(error)
+    if isinstance(error, SessionRefused):
+        return ErrorKind.REFUSED, str(error)
     return ErrorKind.INTERNAL, f"{type(error).__name__}: {error}"
 
 
@@ -52,7 +55,7 @@ class BlockBackend:
     """Runs a sub-range of the hosted block stack; every call is made from the server's compute thread."""
 
     def __init__(self, stack: torch.nn.Module, device: torch.device, dtype: torch.dtype, offload: float = 0.0,
-                 pruner: TreePruner | None = None):
+                 pruner: TreePruner | None = None, adapters: Sequence[str] = ()):
         self.stack, self.device, self.dtype = stack, torch.device(device), dtype
         self.start, self.end = stack.start, stack.end
         self.hidden_size = stack.config.hidden_size
@@ -62,7 +65,7 @@ class BlockBackend:
         self.max_chunk_tokens: int | None = None  # most tokens (rows x positions) of one step of consecutive tokens
         self.batch_invariant = False  # whether the blocks' linear layers were made batch-invariant (models.core.invariance)
         self.exact_trees = False  # whether a tree's nodes are attended one at a time (their outputs equal plain decoding)
-        self.adapters = Adapters(stack, ())  # the LoRA adapters loaded into the blocks (--adapters)
+        self.adapters = Adapters(stack, list(adapters))  # the LoRA adapters loaded into the blocks (--adapters)
 
     def check_range(self, start_block: int, end_block: int) -> None:
         if not (self.start <= start_block < end_block <= self.end):

@@ -138,9 +138,7 @@ class BlockServicer:
                 yield self._refusal(error, "A backward request failed")
 
     def _refusal(self, error: Exception, what: str) -> Envelope:
-        """The error reply to a failed forward or backward: refused (a budget), invalid (bad input) or internal."""
-        if isinstance(error, SessionRefused):
-            return self.metrics.refusal(ErrorKind.REFUSED, str(error))
+        """The error reply to a failed forward or backward (`error_reply`); an internal failure is logged."""
         kind, text = error_reply(error)
         if kind == ErrorKind.INTERNAL:
             logger.exception(what)

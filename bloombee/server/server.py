@@ -20,7 +20,6 @@ from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
 from bloombee.models.core.invariance import make_batch_invariant
-from bloombee.server.adapters import Adapters
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -122,10 +121,10 @@ class Server:
         stack = load_block_stack(self.model_path, start, end, dtype=self._dtype_setting(), device=self.device,
                                  quant_type=self.quant_type)
         backend = BlockBackend(stack, self.device, stack.dtype,
-                               pruner=TreePruner.load(self.model_path, end, device=self.device))
+                               pruner=TreePruner.load(self.model_path, end, device=self.device),
+                               adapters=self.settings.adapters)
         backend.offload = self._offload(backend)
         backend.max_chunk_tokens = self.settings.max_chunk_tokens
-        backend.adapters = Adapters(stack, list(self.settings.adapters))
         backend.batch_invariant, backend.exact_trees = self._make_batch_invariant(
             backend, self._cache_key(start, end, backend.dtype))
         self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))

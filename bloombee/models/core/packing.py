@@ -36,14 +36,19 @@ class Segment:
     def size(self) -> int:
         return self.rows * self.tokens
 
+    @property
+    def adds_prompts(self) -> bool:
+        """Whether the blocks add deep prompts to this step: it has them and writes a slot below the prefix length
+        (a tree step never does)."""
+        return (self.prompts is not None and self.tree_start is None
+                and int(self.cache_positions[0]) < self.prompts.shape[2])
+
     def prompt_delta(self, block: int) -> torch.Tensor | None:
         """What block `block` (of the forward) adds to this segment's vectors [size, H] before it computes: its deep
-        prompt at the slots below the prefix length (None: nothing, or no slot of this step is below it)."""
-        if self.prompts is None or self.tree_start is not None:
+        prompt at the slots below the prefix length (None: nothing, `adds_prompts` being false)."""
+        if not self.adds_prompts:
             return None
         first, prefix = int(self.cache_positions[0]), self.prompts.shape[2]
-        if first >= prefix:
-            return None
         covered = self.prompts[block][:, first:min(prefix, first + self.tokens)]
         delta = F.pad(covered, (0, 0, 0, self.tokens - covered.shape[1]))
         return delta.reshape(self.size, delta.shape[-1])

@@ -104,7 +104,7 @@ class BlockStack(nn.Module):
         if pad:  # zero rows past the segments', so that no linear layer pads its own (core.invariance)
             hidden = F.pad(hidden, (0, 0, 0, pad))
             rotations = {kind: tuple(F.pad(t, (0, 0, 0, pad)) for t in cos_sin) for kind, cos_sin in rotations.items()}
-        prompted = any(segment.prompt_delta(0) is not None for segment in segments)
+        prompted = any(segment.adds_prompts for segment in segments)
         for i, (block, cfg) in enumerate(zip(self.blocks[lo:hi], self.block_configs[lo:hi])):
             if prompted:
                 hidden = hidden + self._prompt_deltas(segments, i, hidden)
