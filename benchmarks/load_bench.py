@@ -21,7 +21,6 @@ namespaces, every uplink shaped as the environment says; by default everything i
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -161,7 +160,7 @@ def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env
     """The same in netbench's namespaces shaped as `env_name`: servers s0, s1, ..., the client's part of this script
     in the namespace `client`, its rows read from its output."""
     from benchmarks.netbench import netns, presets
-    from benchmarks.netbench.swarm import NetSwarm
+    from benchmarks.netbench.swarm import NetSwarm, client_rows
 
     env, n = presets.parse_environment(env_name), load_model_config(path).num_hidden_layers
     nodes = ["client", *(f"s{index}" for index in range(servers))]
@@ -177,9 +176,7 @@ def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env
             argv = [sys.executable, "-m", "benchmarks.load_bench", "--client-in", topology.ips["client"], "--model",
                     str(path), "--ks", *map(str, ks), "--servers", str(servers), "--batching", batching,
                     "--env", env_name, "--initial-peers", *swarm.initial_peers]
-            out = subprocess.run(topology.exec_argv("client", argv), capture_output=True, text=True, check=True,
-                                 cwd=Path(__file__).resolve().parent.parent)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            rows = client_rows(topology, argv)
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -188,6 +185,7 @@ def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env
 def client_in_namespace(args: argparse.Namespace) -> None:
     """The client's part of `run_shaped_swarm`, run in its namespace: wait for the servers, then the K loop."""
     from benchmarks.netbench import presets
+    from benchmarks.netbench.swarm import wait_for_servers
     from bloombee.dht.peers import start_dht
 
     path = Path(args.model)
@@ -195,12 +193,7 @@ def client_in_namespace(args: argparse.Namespace) -> None:
                     client_mode=True)
     link = presets.parse_environment(args.env).uplink_mbps or 10000.0
     with AutoDistributedModel.from_pretrained(str(path), dht=dht, link_bandwidth_mbps=link) as model:
-        deadline = time.monotonic() + 600
-        while len(model.remote.manager.usable_servers()) < args.servers[0]:
-            if time.monotonic() > deadline:
-                raise SystemExit("the servers did not come online within 600 s")
-            time.sleep(1.0)
-            model.remote.manager.update(force=True)
+        wait_for_servers(model, args.servers[0])
         label = {"topology": topology_name(args.servers[0]), "batching": args.batching, "env": args.env}
         run_client(model, args.ks, load_model_config(path).vocab_size, label)
     dht.shutdown()

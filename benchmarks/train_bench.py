@@ -12,7 +12,6 @@ from its interface: every byte of a stateless chain passes the client), and the 
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +60,7 @@ def train(model, steps: int, vocab_size: int) -> dict:
 
 def client_in_namespace(args: argparse.Namespace) -> None:
     """The client's part, run in its namespace: wait for both servers, then one run per micro-batch count."""
+    from benchmarks.netbench.swarm import wait_for_servers
     from bloombee.dht.peers import start_dht
 
     path = Path(args.model)
@@ -72,12 +72,7 @@ def client_in_namespace(args: argparse.Namespace) -> None:
         with AutoDistributedModel.from_pretrained(str(path), dht=dht, dtype=torch.float32, tuning_mode="deep_ptune",
                                                   pre_seq_len=PREFIX, micro_batches=micro_batches,
                                                   link_bandwidth_mbps=args.link_mbps) as model:
-            deadline = time.monotonic() + 600
-            while len(model.remote.manager.usable_servers()) < 2:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the servers did not come online within 600 s")
-                time.sleep(1.0)
-                model.remote.manager.update(force=True)
+            wait_for_servers(model, 2)
             row = {"env": args.env, "micro_batches": micro_batches, **train(model, args.steps, vocab_size)}
             print(json.dumps(row), flush=True)
     dht.shutdown()
@@ -86,7 +81,7 @@ def client_in_namespace(args: argparse.Namespace) -> None:
 def run_env(path: Path, env_name: str, args: argparse.Namespace, logs: Path) -> list[dict]:
     """Two servers and the client in namespaces shaped as `env_name`; the client's rows."""
     from benchmarks.netbench import netns, presets
-    from benchmarks.netbench.swarm import NetSwarm
+    from benchmarks.netbench.swarm import NetSwarm, client_rows
 
     env, n = presets.parse_environment(env_name), load_model_config(path).num_hidden_layers
     link = env.uplink_mbps or 10000.0
@@ -100,9 +95,7 @@ def run_env(path: Path, env_name: str, args: argparse.Namespace, logs: Path) -> 
             argv = [sys.executable, "-m", "benchmarks.train_bench", "--client-in", topology.ips["client"],
                     "--model", str(path), "--env", env_name, "--steps", str(args.steps), "--link-mbps", str(link),
                     "--micro-batches", *map(str, args.micro_batches), "--initial-peers", *swarm.initial_peers]
-            out = subprocess.run(topology.exec_argv("client", argv), capture_output=True, text=True, check=True,
-                                 cwd=Path(__file__).resolve().parent.parent)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            rows = client_rows(topology, argv)
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows

@@ -201,14 +201,7 @@ class Fuzzer:
         for _ in range(PER_KIND // WINDOW):
             window = [self.bad_forward(hidden) for _ in range(WINDOW)]
             window.insert(self.rng.randrange(WINDOW), valid)
-            for request in window:
-                stream.send(request)
-            for request in window:
-                message, tensors = await stream.reply()
-                if request is valid:
-                    assert message.kind == MessageKind.OUTPUT and torch.equal(tensors["hidden"], expected)
-                else:
-                    assert_error(message)
+            await exchange(stream, window, valid, "hidden", expected)
             self.sent["forward"] += WINDOW
         assert await stream.close() == []
 
@@ -242,14 +235,7 @@ class Fuzzer:
             window = [self.bad_backward(kept_id, other_id, hidden) for _ in range(WINDOW)]
             valid = pack(BackwardMessage(forward_id=kept_id), {"grad_outputs": torch.ones_like(hidden)})
             window.append(valid)  # last: the bad ones before it leave the kept forward in place
-            for request in window:
-                backwards.send(request)
-            for request in window:
-                message, tensors = await backwards.reply()
-                if request is valid:
-                    assert message.kind == MessageKind.OUTPUT and torch.equal(tensors["grad_inputs"], expected)
-                else:
-                    assert_error(message)
+            await exchange(backwards, window, valid, "grad_inputs", expected)
             self.sent["backward"] += WINDOW
         assert await forwards.close() == [] and await backwards.close() == []
 
@@ -371,6 +357,19 @@ class Fuzzer:
             await expect_replies(session, 0, {step_id}, expected)  # the session's client hears of its own step only
             self.sent["push"] += WINDOW
         assert await pushes.close() == []
+
+
+async def exchange(stream: Stream, window: list, valid, name: str, expected: torch.Tensor) -> None:
+    """Send `window` down `stream`: the reply to `valid` is an output whose tensor `name` equals `expected`, every
+    other reply an error."""
+    for request in window:
+        stream.send(request)
+    for request in window:
+        message, tensors = await stream.reply()
+        if request is valid:
+            assert message.kind == MessageKind.OUTPUT and torch.equal(tensors[name], expected)
+        else:
+            assert_error(message)
 
 
 async def expect_replies(stream: Stream, errors: int, step_ids: set[int], expected: torch.Tensor) -> None:

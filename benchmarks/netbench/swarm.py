@@ -218,3 +218,19 @@ class NetSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def client_rows(topology: Topology, argv: list[str]) -> list[dict]:
+    """Run a benchmark's client part (`argv`) in the namespace `client`; the JSON rows it printed."""
+    out = subprocess.run(topology.exec_argv("client", argv), capture_output=True, text=True, check=True, cwd=ROOT)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def wait_for_servers(model, count: int, timeout_s: float = 600.0) -> None:
+    """Until the client `model` sees `count` usable servers; SystemExit after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while len(model.remote.manager.usable_servers()) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the servers did not come online within {timeout_s:g} s")
+        time.sleep(1.0)
+        model.remote.manager.update(force=True)
