@@ -24,9 +24,10 @@ class ServerSettings(BaseModel):
                                 "forward computes together (1: each step alone, no batching across sessions)")
     max_batch_tokens: int = Field(4096, ge=1, description="most tokens (rows x positions) of all sessions' steps one "
                                   "forward computes together; a larger step still runs, alone")
-    batch_wait_ms: float = Field(0.0, ge=0, description="milliseconds a forward may wait for as many steps as the "
-                                 "last one computed when fewer are ready (0: it starts at once; steps that arrive "
-                                 "while a forward runs join the next one anyway)")
+    batch_wait_ms: Literal["auto"] | float = Field("auto", description="milliseconds a forward may wait for a step of "
+                                                   "each session that had one in the last two forwards, so that "
+                                                   "sessions decoding at once share forwards (auto: what a forward of "
+                                                   "one step is predicted to take; 0: it starts at once)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="make a session's outputs independent "
                                                           "of what shares its forwards: on (matmuls in row counts "
                                                           "this device rounds alike, measured at start, and a "
@@ -98,6 +99,13 @@ class ServerSettings(BaseModel):
             from bloombee.weight_formats import parse_quant_type
 
             parse_quant_type(value)
+        return value
+
+    @field_validator("batch_wait_ms")
+    @classmethod
+    def _wait(cls, value):
+        if value != "auto" and value < 0:
+            raise ValueError("batch_wait_ms must be auto or at least 0")
         return value
 
     @field_validator("offload")

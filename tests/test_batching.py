@@ -2,14 +2,18 @@
 alone, bit for bit, once the blocks are batch-invariant (bloombee.models.core.invariance); a step that fails to
 prepare is refused alone."""
 
+import asyncio
+
 import pytest
 import torch
 
 from bloombee.loading import load_block_stack, resolve_model
 from bloombee.models.core.invariance import (chunk_linear_rows, chunk_sizes, make_batch_invariant, row_floor,
                                               unchunk_linear_rows)
+from bloombee.models.core.packing import pack
 from bloombee.protocol import InvalidStep
 from bloombee.server.backend import BlockBackend
+from bloombee.server.batching import BatchLimits, StepBatcher
 from bloombee.speculative.tree import PackedTrees, TokenTree
 
 MAX_LENGTH = 64
@@ -138,3 +142,65 @@ def test_a_mixtures_rows_get_the_same_bits_among_any_number_of_rows(variant, tin
         for rows in (2, 3, 10, 100, 300):
             for where in (0, rows // 2, rows - 1):
                 assert torch.equal(mlp(torch.cat([others[:where], probe, others[where:rows - 1]]))[where], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bits_alone(dtype):
+    """One-token steps whose keys span one, two and four granules attend as one batch (core.packing.DecodeBatch),
+    each over keys padded to the longest, and get the bits each gets alone; in float32 the batch kernel agrees with
+    scaled_dot_product_attention over each step's own keys."""
+    backend = backend_of(dtype)
+    assert backend.stack.batch_decode  # the probe found padded attention invariant here
+    lengths = (5, 70, 200)
+
+    def decode_steps(name: str) -> list:
+        steps = []
+        for seed, length in enumerate(lengths):
+            session = backend.new_session(f"{name}{seed}", 0, 8, 1, 256)
+            backend.step(session, random_hidden(1, length, seed, dtype), 0, 0, None, None)
+            steps.append(lambda session=session, seed=seed, length=length: backend.prepare_step(
+                session, random_hidden(1, 1, 50 + seed, dtype), length, 0, None, None))
+        return steps
+
+    alone = [backend.run_one(prepare()) for prepare in decode_steps("alone")]
+    prepared = [prepare() for prepare in decode_steps("together")]
+    assert pack([step.segment for step in prepared]).decode.members == [0, 1, 2]
+    together = backend.run(prepared)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+    if dtype == torch.float32:
+        backend.stack.batch_decode = False  # each step by scaled_dot_product_attention over its own keys
+        apart = [backend.run_one(prepare()) for prepare in decode_steps("apart")]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
+                   for a, b in zip(alone, apart, strict=True))
+
+
+def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
+    """Two sessions whose steps arrive 20 ms apart share one forward once both have computed a step (the batcher
+    waits for the sessions of its last two forwards), not with --batch-wait-ms 0."""
+    backend = backend_of(torch.float32)
+
+    async def in_this_thread(fn, *args):
+        return fn(*args)
+
+    def forwards_of_the_last_steps(wait_s: float | None) -> int:
+        sessions = {name: backend.new_session(f"{name}{wait_s}", 0, 8, 1, MAX_LENGTH) for name in "ab"}
+        batcher = StepBatcher(backend, in_this_thread, BatchLimits(8, 64, wait_s), lambda vectors, blocks: 0.5)
+
+        async def step(name: str, position: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            hidden = random_hidden(1, 1, position, torch.float32)
+            await batcher.compute(name, (0, 8), 1, 1, lambda: backend.prepare_step(sessions[name], hidden, position, 0,
+                                                                                   None, None))
+
+        async def run() -> int:
+            await step("a", 0, 0.0)
+            await step("b", 0, 0.0)
+            before = batcher.forwards
+            await asyncio.gather(step("a", 1, 0.0), step("b", 1, 0.02))
+            await batcher.close()
+            return batcher.forwards - before
+
+        return asyncio.run(run())
+
+    assert forwards_of_the_last_steps(None) == 1
+    assert forwards_of_the_last_steps(0.0) == 2

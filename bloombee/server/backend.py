@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from bloombee.codec import CodecError
 from bloombee.models.core.masks import causal_mask, rope_positions_from_padding, stateless_causal_mask
 from bloombee.models.core.offload import host_kv_heads
-from bloombee.models.core.packing import Segment, segment_slices
+from bloombee.models.core.packing import Segment, granule_slots, segment_slices
 from bloombee.models.core.quantize import module_weight_bytes
 from bloombee.models.core.kv_cache import compact_slots
 from bloombee.protocol import ErrorKind, InvalidStep
@@ -83,7 +83,7 @@ class BlockBackend:
         device = host = 0
         for cfg in self.stack.block_configs[start_block - self.start:end_block - self.start]:
             heads, key_dim, value_dim = cfg.cache_layout
-            head_bytes = batch_size * max_length * (key_dim + value_dim) * item  # K and V of one KV head
+            head_bytes = batch_size * granule_slots(max_length) * (key_dim + value_dim) * item  # K and V of a KV head
             host_heads = host_kv_heads(offload, heads)
             device += head_bytes * (heads - host_heads)
             host += head_bytes * host_heads

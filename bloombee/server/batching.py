@@ -6,6 +6,12 @@ the same blocks that keeps the forward within --max-batch-rows and --max-batch-t
 step waiting (its pipeline computes its steps in order), so sessions take turns; the oldest step always goes next,
 so none starves, and a long prompt arrives as chunks, so a decode step waits behind one chunk at most.
 
+Sessions decoding at once would otherwise settle into groups that alternate (one group's steps travel while the
+other's compute), each forward computing a fraction of them. So a forward first waits, up to --batch-wait-ms, for
+a step of every session that had one in the last two forwards: the groups merge, and the fixed cost of a forward
+(reading every weight) is paid once per round. By default the wait is at most what a forward of one step is
+predicted to take, what a step that joins saves.
+
 A forward the model of the chain predicts to be short runs on the event loop itself: torch hands the interpreter lock
 back and forth at every operation, and a compute thread sharing it with a busy event loop computes a small model's
 forward up to twice as slowly as the loop alone does (benchmarks/README.md). A longer one runs in the compute thread,
@@ -16,6 +22,7 @@ the steps the server has already received have reached it, so that they share th
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +39,7 @@ INLINE_FORWARD_S = 0.1  # predicted seconds up to which a forward runs on the ev
 class BatchLimits:
     max_rows: int  # rows of all steps in one forward
     max_tokens: int  # rows x positions of all steps in one forward
-    wait_s: float  # how long a forward may wait for as many steps as the last one had
+    wait_s: float | None  # how long a forward may wait for the steps of recent sessions (None: a one-step forward's time)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class ForwardTiming:
 
 @dataclass(eq=False)
 class _Waiting:
+    session: str
     block_range: tuple[int, int]
     adapter: str | None
     rows: int
@@ -70,17 +78,18 @@ class StepBatcher:
         self._waiting: list[_Waiting] = []
         self.forwards = self.steps = 0  # forwards run and the steps they computed
         self.forward_seconds = 0.0  # their wall time in all
-        self._last_steps = 1  # steps of the last forward: how many a forward waits for (within wait_s)
+        self._recent: deque[set[str]] = deque(maxlen=2)  # the sessions of the last two forwards: whose steps a forward waits for
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def compute(self, block_range: tuple[int, int], rows: int, tokens: int,
+    async def compute(self, session: str, block_range: tuple[int, int], rows: int, tokens: int,
                       prepare: Callable[[], PreparedStep], adapter: str | None = None) -> tuple[Any, ForwardTiming]:
-        """The result of the step `prepare()` makes (called just before its forward, computing `adapter`) and the
-        forward it went through; raises what preparing or finishing the step raised."""
+        """The result of session `session`'s step `prepare()` makes (called just before its forward, computing
+        `adapter`) and the forward it went through; raises what preparing or finishing the step raised."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
-        waiting = _Waiting(block_range, adapter, rows, tokens, prepare, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(session, block_range, adapter, rows, tokens, prepare,
+                           asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         self._arrived.set()
         try:
@@ -88,6 +97,11 @@ class StepBatcher:
         finally:
             if waiting in self._waiting:  # its session ended before the step ran
                 self._waiting.remove(waiting)
+
+    def forget(self, session: str) -> None:
+        """Session `session` ended: forwards no longer wait for its steps."""
+        for sessions in self._recent:
+            sessions.discard(session)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -114,7 +128,7 @@ class StepBatcher:
             batch = self._take()
             if not batch:
                 continue
-            self._last_steps = len(batch)
+            self._recent.append({waiting.session for waiting in batch})
             try:
                 outcomes, timing = await self._run(batch)
             except Exception as error:  # the forward itself failed: every step in it gets the error
@@ -145,10 +159,11 @@ class StepBatcher:
                 await asyncio.sleep(0)
 
     async def _gather(self) -> None:
-        """Wait up to wait_s for as many steps as the last forward computed (sessions in step with each other),
-        unless the waiting ones fill a forward already."""
-        deadline = asyncio.get_running_loop().time() + self.limits.wait_s
-        while len(self._waiting) < self._last_steps and not self._full():
+        """Wait up to the wait limit for a step of every session of the last two forwards (sessions in step with each
+        other), unless the waiting ones fill a forward already."""
+        expected = set().union(*self._recent)
+        deadline = asyncio.get_running_loop().time() + self._wait_seconds()
+        while not expected <= {waiting.session for waiting in self._waiting} and not self._full():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return
@@ -157,6 +172,13 @@ class StepBatcher:
                 await asyncio.wait_for(self._arrived.wait(), left)
             except asyncio.TimeoutError:
                 return
+
+    def _wait_seconds(self) -> float:
+        """The wait limit: the limits' wait_s, else what the oldest waiting step's forward alone is predicted to take."""
+        if self.limits.wait_s is not None:
+            return self.limits.wait_s
+        first, last = self._waiting[0].block_range
+        return self.predict_seconds(self._waiting[0].tokens, last - first)
 
     def _full(self) -> bool:
         return (sum(waiting.rows for waiting in self._waiting) >= self.limits.max_rows

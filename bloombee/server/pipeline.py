@@ -122,6 +122,7 @@ class SessionPipeline:
                     return
                 yield reply
         finally:
+            self.context.batcher.forget(self.session.session_id)
             for task in stages:
                 task.cancel()
             await asyncio.gather(*stages, return_exceptions=True)
@@ -301,8 +302,8 @@ class SessionPipeline:
         reads a cache not yet compacted), computed in a forward with other sessions' steps ready at once; that
         forward's time is what the hop report says the step computed."""
         session = self.session
-        result, timing = await self.context.batcher.compute((session.start_block, session.end_block), rows, vectors,
-                                                           prepare, session.adapter)
+        result, timing = await self.context.batcher.compute(session.session_id, (session.start_block, session.end_block),
+                                                           rows, vectors, prepare, session.adapter)
         self._computed = (timing.began_at, timing.seconds, timing.cpu_seconds)
         return result
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from bloombee.models.core.config import BlockConfig
 from bloombee.models.core.masks import causal_mask, sliding_window_mask
-from bloombee.models.core.packing import Cache, Segment, segment_slices
+from bloombee.models.core.packing import Cache, Packing, Segment, additive_bias, granule_slots
 from bloombee.models.core.norms import NORMS, RMSNorm
 from bloombee.models.core.rotary import apply_rotary
 
@@ -37,21 +37,77 @@ class _AttentionBase(nn.Module):
         """x [N, H] -> q [N, h, d], k, v [N, kv, d] (before rotary)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                segments: Sequence[Segment], caches: Sequence[Cache | None]) -> torch.Tensor:
-        """Packed x [N, H] of `segments` (each with its cache of this block, or None) -> [N, H]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, packing: Packing,
+                caches: Sequence[Cache | None]) -> torch.Tensor:
+        """Packed x [N, H] of `packing`'s segments (each with its cache of this block, or None) -> [N, H]."""
         q, k, v = self.project(x)
         if cos is not None:
             q, k = self.rotate(q, k, cos, sin)
-        outputs = []
-        for segment, cache, part in zip(segments, caches, segment_slices(segments)):
-            q_s, k_s, v_s = (t[part].unflatten(0, (segment.rows, segment.tokens)).transpose(1, 2) for t in (q, k, v))
-            out = self._attend_segment(q_s, k_s, v_s, segment, cache)
-            outputs.append(out.transpose(1, 2).reshape(segment.size, -1))
-        padding = x.shape[0] - sum(segment.size for segment in segments)  # rows past the segments' (invariance)
+        decode = packing.decode
+        decoded = self.attend_decode(q, k, v, packing, caches) if decode is not None else None
+        if decode is not None and len(decode.members) == len(packing.segments):
+            outputs = [decoded]
+        else:
+            outputs = self._attend_apart(q, k, v, packing, caches, decoded)
+        padding = x.shape[0] - packing.slices[-1].stop  # rows past the segments' (invariance)
         if padding:
             outputs.append(outputs[0].new_zeros(padding, outputs[0].shape[1]))
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+
+    def _attend_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                      caches: Sequence[Cache | None], decoded: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each segment's attention output [size, heads x value dim], in order: the decode batch's rows from
+        `decoded`, every other segment attending on its own."""
+        outputs = dict(zip(packing.decode.members, decoded.split(packing.decode.row_counts))) if decoded is not None else {}
+        for index, (segment, cache, part) in enumerate(zip(packing.segments, caches, packing.slices)):
+            if index not in outputs:
+                q_s, k_s, v_s = (t[part].unflatten(0, (segment.rows, segment.tokens)).transpose(1, 2) for t in (q, k, v))
+                out = self._attend_segment(q_s, k_s, v_s, segment, cache, packing.granule)
+                outputs[index] = out.transpose(1, 2).reshape(segment.size, -1)
+        return [outputs[index] for index in range(len(packing.segments))]
+
+    def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                       caches: Sequence[Cache | None]) -> torch.Tensor:
+        """The one-token steps' attention as one batch (`packing.DecodeBatch`): each step's key and value written to
+        its cache, then every row over its cache's first `length` slots, gathered -> [B, heads x value dim]."""
+        decode = packing.decode
+        keys, values = [], []
+        for index in decode.members:
+            segment, cache, part = packing.segments[index], caches[index], packing.slices[index]
+            rows = cache.write(segment.cache_positions, k[part].unsqueeze(2), v[part].unsqueeze(2), segment.batch_offset)
+            keys.append(_first_slots(cache.k[rows], decode.length))
+            values.append(_first_slots(cache.v[rows], decode.length))
+        keys, values = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (keys, values))
+        queries = q[decode.vectors].unsqueeze(2)
+        if not self.eager_one_token:
+            return self.attend(queries, keys, values, decode.masks(self.sliding_window)).flatten(1)
+        bias = decode.bias(self.sliding_window, keys.shape[1], queries.dtype)
+        return self._eager_one_token(queries, keys, values, bias).flatten(1)
+
+    @property
+    def eager_one_token(self) -> bool:
+        """Whether `attend_one_token` computes this attention by `_eager_one_token` (plain attention) rather than
+        by `attend`."""
+        return (not self.alibi and self.sinks is None and self.softcap is None
+                and type(self).attend is _AttentionBase.attend)
+
+    def attend_one_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         first_head: int = 0) -> torch.Tensor:
+        """`attend` of one query per row, q [b, h, 1, d]: plain attention by `_eager_one_token`."""
+        if not self.eager_one_token:
+            return self.attend(q, k, v, mask, first_head)
+        return self._eager_one_token(q, k, v, additive_bias(mask, k.shape[1], q.dtype))
+
+    def _eager_one_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q [b, h, 1, d] over k, v [b, kv, S, d] plus `bias` [b x kv, 1, S]: matmuls of each KV head's group of
+        queries, the softmax in float32 (transformers' eager attention), which on a CPU computes a few rows several
+        times faster than scaled_dot_product_attention, most of all in bfloat16 (benchmarks/README.md)."""
+        b, heads, _, d = q.shape
+        kv_heads, length = k.shape[1], k.shape[2]
+        scores = torch.baddbmm(bias, q.reshape(b * kv_heads, heads // kv_heads, d),
+                               k.reshape(b * kv_heads, length, d).transpose(1, 2), alpha=self.scale)
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(weights, v.reshape(b * kv_heads, length, v.shape[-1])).view(b, heads, 1, -1)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +115,9 @@ class _AttentionBase(nn.Module):
         return apply_rotary(q, k, cos, sin)
 
     def _attend_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: Segment,
-                        cache: Cache | None) -> torch.Tensor:
-        """One segment's attention: q [b, h, T, d], k, v [b, kv, T, d] written to its cache, over its keys."""
+                        cache: Cache | None, granule: int | None) -> torch.Tensor:
+        """One segment's attention: q [b, h, T, d], k, v [b, kv, T, d] written to its cache, over its keys (a tree's
+        nodes attended one at a time over keys padded to whole `granule`s, as a one-token step's are)."""
         positions, mask, T = segment.cache_positions, segment.mask, segment.tokens
         if cache is not None:
             length = mask.shape[-1] if mask is not None else int(positions.max()) + 1
@@ -73,7 +130,9 @@ class _AttentionBase(nn.Module):
             mask = mask & sliding_window_mask(positions, key_slots, self.sliding_window)
         attention = self.attend
         if self.tree_nodes_alone and segment.tree_start is not None:
-            attention = partial(self.attend_tree_nodes, segment.tree_start)
+            attention = partial(self.attend_tree_nodes, segment.tree_start, granule)
+        elif granule is not None and T == 1 and segment.tree_start is None and cache is not None:
+            mask, attention = F.pad(mask, (0, granule_slots(mask.shape[-1]) - mask.shape[-1])), self.attend_one_token
         if cache is not None:
             return cache.attend(q, k, v, positions, segment.batch_offset, mask, attention)
         return attention(q, k, v, mask)
@@ -128,20 +187,33 @@ class _AttentionBase(nn.Module):
         weights = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
         return torch.matmul(weights.to(v.dtype), v)
 
-    def attend_tree_nodes(self, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend_tree_nodes(self, start: int, granule: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor, first_head: int = 0) -> torch.Tensor:
         """`attend` of a tree step's nodes (slots from `start`) one at a time, each over its row's slots before the
-        tree and its own ancestors' (itself included) in order: the keys, values and mask a token decoded alone at
-        its depth attends, so that it gets that token's bits."""
+        tree and its own ancestors' (itself included) in order, then masked slots up to whole `granule`s (None:
+        none, by `attend`): the keys, values, mask and kernel (`attend_one_token`) a token decoded alone at its
+        depth attends, so that it gets that token's bits."""
         prefix = torch.arange(start, device=q.device)
 
         def alone(row: int, node: int) -> torch.Tensor:
             slots = torch.cat([prefix, mask[row, node, start:].nonzero().squeeze(1) + start])
-            return self.attend(q[row:row + 1, :, node:node + 1], k[row:row + 1, :, slots], v[row:row + 1, :, slots],
-                               mask[row:row + 1, node:node + 1, slots], first_head)[0, :, 0]
+            padding = granule_slots(len(slots)) - len(slots) if granule is not None else 0
+            keys, values, allowed = k[row:row + 1, :, slots], v[row:row + 1, :, slots], mask[row:row + 1, node:node + 1, slots]
+            if granule is None:
+                return self.attend(q[row:row + 1, :, node:node + 1], keys, values, allowed, first_head)[0, :, 0]
+            keys, values = (F.pad(t, (0, 0, 0, padding)) for t in (keys, values))
+            return self.attend_one_token(q[row:row + 1, :, node:node + 1], keys, values, F.pad(allowed, (0, padding)),
+                                         first_head)[0, :, 0]
 
         return torch.stack([torch.stack([alone(row, node) for node in range(q.shape[2])], dim=1)
                             for row in range(q.shape[0])])
+
+
+def _first_slots(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """A cache's rows [b, kv, capacity, d] cut or padded (zeros, which their masks hide) to `length` slots."""
+    if tensor.shape[2] >= length:
+        return tensor[:, :, :length]
+    return F.pad(tensor, (0, 0, 0, length - tensor.shape[2]))
 
 
 def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from torch import nn
 
 from bloombee.models.core.config import BlockConfig
 from bloombee.models.core.mlp import layer_mlp
-from bloombee.models.core.packing import Cache, Segment
+from bloombee.models.core.packing import Cache, Packing
 
 
 class DecoderBlock(nn.Module):
@@ -33,9 +33,9 @@ class DecoderBlock(nn.Module):
         self.mlp = layer_mlp(self.mlp_class, cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                segments: Sequence[Segment], caches: Sequence[Cache | None]) -> torch.Tensor:
-        """Packed x [N, H] of `segments`, each with its cache of this block (or None) -> [N, H]."""
-        h = x + self.attn(self.attn_norm(x), cos, sin, segments, caches)
+                packing: Packing, caches: Sequence[Cache | None]) -> torch.Tensor:
+        """Packed x [N, H] of `packing`'s segments, each with its cache of this block (or None) -> [N, H]."""
+        h = x + self.attn(self.attn_norm(x), cos, sin, packing, caches)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -48,18 +48,18 @@ class SandwichDecoderBlock(DecoderBlock):
         self.post_attn_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
         self.post_mlp_norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, segments, caches):
-        h = x + self.post_attn_norm(self.attn(self.attn_norm(x), cos, sin, segments, caches))
+    def forward(self, x, cos, sin, packing, caches):
+        h = x + self.post_attn_norm(self.attn(self.attn_norm(x), cos, sin, packing, caches))
         return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h)))
 
 
 class ParallelDecoderBlock(DecoderBlock):
     """``features.parallel_attention``: out = x + (mlp(mlp_norm(x) or attn_norm(x)) + attn(attn_norm(x)))."""
 
-    def forward(self, x, cos, sin, segments, caches):
+    def forward(self, x, cos, sin, packing, caches):
         if not self.cfg.parallel_attention:  # e.g. falcon with parallel_attn=False
-            return super().forward(x, cos, sin, segments, caches)
+            return super().forward(x, cos, sin, packing, caches)
         attn_in = self.attn_norm(x)
-        attn_out = self.attn(attn_in, cos, sin, segments, caches)
+        attn_out = self.attn(attn_in, cos, sin, packing, caches)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
         return x + (self.mlp(mlp_in) + attn_out)

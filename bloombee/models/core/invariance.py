@@ -21,9 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bloombee.models.core.kv_cache import KVCache
+from bloombee.models.core.masks import causal_mask
+from bloombee.models.core.packing import Segment, granule_slots, pack
+
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK = 512  # rows of the largest matmul computed at once in the mode
+PROBED_LENGTHS = ((1, 64, 65, 200), (40, 41, 63, 130), (700, 3, 70, 1030))  # key slots of decode steps batched
 LANES = 64  # elements: a multiple of any CPU vector loop's stride (AVX-512, unrolled twice: 32 float32 values)
 PAD_UP_TO = 8  # rows left over that one padded matmul computes faster than a chunk per power of two
 CHUNK_SIZES = tuple(1 << power for power in range(MAX_CHUNK.bit_length()))  # 1, 2, 4, ... MAX_CHUNK
@@ -172,4 +177,51 @@ def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.de
     apply_batch_invariance(module, floor, trees)
     logger.info("Batch-invariant on %s (%s): matmuls in power-of-two chunks of %d to %d rows%s", device, dtype, floor,
                 MAX_CHUNK, ", tree nodes attended one at a time" if trees else "")
+    if getattr(module, "batch_decode", False) and not padding_invariant_attention(module):
+        module.batch_decode = False
+        logger.info("Decode steps attend one session at a time: on %s (%s) attention over keys padded further "
+                    "rounds a row differently", device, dtype)
     return True
+
+
+@torch.inference_mode()
+def padding_invariant_attention(stack: nn.Module) -> bool:
+    """Whether each distinct attention of `stack`'s blocks (a core.stack.BlockStack) gives a one-token step the
+    same bits alone as in a decode batch beside longer steps, whose keys it then reads padded further
+    (`core.packing`), for the key lengths of PROBED_LENGTHS."""
+    generator = torch.Generator().manual_seed(0)
+    seen = set()
+    for block, cfg in zip(stack.blocks, stack.block_configs):
+        kind = (type(block.attn), cfg.cache_layout, cfg.num_heads, cfg.sliding_window)
+        if kind not in seen:
+            seen.add(kind)
+            if not all(_decodes_alike(block.attn, cfg, lengths, generator, stack.dtype, stack.device)
+                       for lengths in PROBED_LENGTHS):
+                return False
+    return True
+
+
+def _decodes_alike(attention: nn.Module, cfg, lengths: tuple[int, ...], generator: torch.Generator,
+                   dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one-token steps reading `lengths` key slots (over caches of random keys and values, masked slots
+    included) come out of `attention.attend_decode` the same alone and together."""
+    heads, key_dim, value_dim = cfg.cache_layout
+    capacity = granule_slots(max(lengths))
+    contents = [(torch.randn(1, heads, capacity, key_dim, generator=generator),
+                 torch.randn(1, heads, capacity, value_dim, generator=generator)) for _ in lengths]
+    q, k, v = attention.project(torch.randn(len(lengths), cfg.hidden_size, generator=generator).to(device, dtype))
+
+    def attend(indices: list[int]) -> torch.Tensor:
+        segments = []
+        for index in indices:
+            cache = KVCache(1, heads, capacity, key_dim, dtype, device, value_dim=value_dim)
+            cache.k.copy_(contents[index][0])
+            cache.v.copy_(contents[index][1])
+            position = torch.tensor([lengths[index] - 1], device=device)
+            segments.append(Segment(1, 1, position, causal_mask(position, lengths[index]), [cache]))
+        rows = torch.tensor(indices, device=device)
+        return attention.attend_decode(q[rows], k[rows], v[rows], pack(segments),
+                                       [segment.caches[0] for segment in segments])
+
+    together = attend(list(range(len(lengths))))
+    return all(torch.equal(attend([index])[0], together[index]) for index in range(len(lengths)))

@@ -54,19 +54,24 @@ class KVCache:
     def update(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch_offset: int = 0, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v`` ``[b, kv_heads, T, head_dim]`` at slots ``cache_positions`` ``[T]``; return slots [0, length)."""
-        b = k.shape[0]
-        if batch_offset < 0 or batch_offset + b > self.batch_size:
-            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + b}) are outside the cache's "
-                             f"{self.batch_size} rows; allocate the cache for the full batch.")
         if length is None:
             length = int(cache_positions.max()) + 1
         if length > self.max_length:
             raise ValueError(f"KV cache read of {length} slots exceeds its max_length {self.max_length}; "
                              f"allocate a longer cache.")
+        rows = self.write(cache_positions, k, v, batch_offset)
+        return self.k[rows, :, :length], self.v[rows, :, :length]
+
+    def write(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_offset: int = 0) -> slice:
+        """Write ``k, v`` ``[b, kv_heads, T, head_dim]`` at slots ``cache_positions`` ``[T]``; the rows written."""
+        b = k.shape[0]
+        if batch_offset < 0 or batch_offset + b > self.batch_size:
+            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + b}) are outside the cache's "
+                             f"{self.batch_size} rows; allocate the cache for the full batch.")
         rows = slice(batch_offset, batch_offset + b)
         self.k[rows].index_copy_(2, cache_positions, k.to(self.k.dtype))
         self.v[rows].index_copy_(2, cache_positions, v.to(self.v.dtype))
-        return self.k[rows, :, :length], self.v[rows, :, :length]
+        return rows
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i takes what row ``rows[i]`` held (beam search's hypotheses)."""

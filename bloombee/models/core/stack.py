@@ -16,7 +16,7 @@ from bloombee.models.core.family import Family
 from bloombee.models.core.invariance import padded_rows
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.offload import OffloadedKVCache, host_kv_heads
-from bloombee.models.core.packing import Segment, segment_slices
+from bloombee.models.core.packing import Segment, granule_slots, pack, segment_slices
 from bloombee.models.core.rotary import RotaryEmbedding
 
 
@@ -30,6 +30,8 @@ class BlockStack(nn.Module):
             raise ValueError(f"block range [{start}, {end}) is not inside the model's {n} blocks [0, {n}).")
         self.family, self.config, self.start, self.end = family, config, start, end
         self.padded_rows_floor: int | None = None  # batch-invariant mode: a forward's rows padded once (invariance)
+        self.batch_decode = True  # one-token steps attend as one batch (core.packing; off where the batch-invariant
+        # mode finds that this rounds a row by its company)
         self.block_configs = [self.family.block_config(config, i) for i in range(start, end)]
         self.blocks = nn.ModuleList(self.family.block_class(cfg, i)
                                     for cfg, i in zip(self.block_configs, range(start, end)))
@@ -67,13 +69,14 @@ class BlockStack(nn.Module):
     def new_caches(self, batch_size: int, max_length: int, block_range: tuple[int, int] | None = None,
                    offload: float = 0.0) -> list[KVCache | OffloadedKVCache]:
         """One empty KV cache per block (of ``block_range``, default all), on the stack's device and dtype, with
-        the fraction ``offload`` of each block's KV heads (rounded up to whole heads) in host memory."""
+        the fraction ``offload`` of each block's KV heads (rounded up to whole heads) in host memory; ``max_length``
+        slots rounded up to what a one-token step attends (``core.packing.granule_slots``)."""
         lo, hi = self.local_range(block_range)
         caches = []
         for cfg in self.block_configs[lo:hi]:
             heads, key_dim, value_dim = cfg.cache_layout
             host_heads = host_kv_heads(offload, heads)
-            shape = (batch_size, heads, max_length, key_dim, self.dtype, self.device)
+            shape = (batch_size, heads, granule_slots(max_length), key_dim, self.dtype, self.device)
             caches.append(OffloadedKVCache(*shape, host_heads, value_dim=value_dim) if host_heads
                           else KVCache(*shape, value_dim=value_dim))
         return caches
@@ -105,12 +108,13 @@ class BlockStack(nn.Module):
             hidden = F.pad(hidden, (0, 0, 0, pad))
             rotations = {kind: tuple(F.pad(t, (0, 0, 0, pad)) for t in cos_sin) for kind, cos_sin in rotations.items()}
         prompted = any(segment.adds_prompts for segment in segments)
+        packing = pack(segments, self.batch_decode)
         for i, (block, cfg) in enumerate(zip(self.blocks[lo:hi], self.block_configs[lo:hi])):
             if prompted:
                 hidden = hidden + self._prompt_deltas(segments, i, hidden)
             caches = [segment.caches[i] if segment.caches is not None else None for segment in segments]
             cos, sin = rotations.get(cfg.rope_layer_type, (None, None))
-            hidden = block(hidden, cos, sin, segments, caches)
+            hidden = block(hidden, cos, sin, packing, caches)
         return hidden[:rows] if pad else hidden
 
     @staticmethod
