@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from bloombee.client import RequestRejected
+from bloombee.models.core.packing import granule_slots
 from swarm_support import client, reference, save_tiny_llama, start_swarm, weight_bytes
 
 SERVERS = {"a1": "0:4", "a2": "0:4", "b1": "4:8", "b2": "4:8"}
 LENGTH, NEW_TOKENS = 48, 12
-SESSION_DEVICE_BYTES = LENGTH * 4 * 2 * 2 * 16 * 4  # tokens x 4 blocks x (K, V) x 2 KV heads x head_dim 16 x fp32
+# cache slots (the length rounded up to whole granules) x 4 blocks x (K, V) x 2 KV heads x head_dim 16 x fp32
+SESSION_DEVICE_BYTES = granule_slots(LENGTH) * 4 * 2 * 2 * 16 * 4
 PER_SERVER = 2  # sessions each server has device memory for
 ALLOC_TIMEOUT = 1.0
 

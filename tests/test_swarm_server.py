@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bloombee.client import AutoDistributedModel, MissingBlocksError
+from bloombee.models.core.packing import granule_slots
 from swarm_support import client, reference, save_tiny_llama, start_swarm
 
 SESSION_BYTES = 4 * 2 * 2 * 16 * 4  # per token: 4 blocks x K and V x 2 KV heads x head_dim 16 x float32
@@ -39,7 +40,7 @@ def test_idle_session_times_out_frees_cache_and_is_rebuilt(swarm):
         first_out = session.step(hidden)
         first_peer = session.spans[0].peer_id
         info = model.remote.server_info(first_peer)
-        assert info["device_memory_bytes"] - info["device_free_bytes"] == 32 * SESSION_BYTES
+        assert info["device_memory_bytes"] - info["device_free_bytes"] == granule_slots(32) * SESSION_BYTES
         time.sleep(5)
         info = model.remote.server_info(first_peer)
         assert (info["device_free_bytes"], info["host_free_bytes"]) == (info["device_memory_bytes"], info["host_memory_bytes"])

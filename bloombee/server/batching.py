@@ -161,6 +161,8 @@ class StepBatcher:
     async def _gather(self) -> None:
         """Wait up to the wait limit for a step of every session of the last two forwards (sessions in step with each
         other), unless the waiting ones fill a forward already."""
+        if not self._waiting:  # their sessions ended while they settled
+            return
         expected = set().union(*self._recent)
         deadline = asyncio.get_running_loop().time() + self._wait_seconds()
         while not expected <= {waiting.session for waiting in self._waiting} and not self._full():

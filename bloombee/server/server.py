@@ -20,6 +20,7 @@ from bloombee.loading.weights import resolve_dtype
 from bloombee.models.core.quantize import checkpoint_quant_type, resolve_quant_type
 from bloombee.planner.costs import offload_fraction
 from bloombee.models.core.invariance import make_batch_invariant
+from bloombee.models.core.packing import KEY_GRANULE
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
 from bloombee.server.backend import BlockBackend
@@ -225,8 +226,10 @@ class Server:
         )
 
     def _token_bytes(self) -> SessionBytes:
-        """What one token of a session over all hosted blocks takes."""
-        return self.backend.session_bytes(self.backend.start, self.backend.end, 1, 1)
+        """What one token of a session over all hosted blocks takes: a granule-long session's bytes per token (a KV
+        cache holds whole granules of slots, core.packing)."""
+        whole = self.backend.session_bytes(self.backend.start, self.backend.end, 1, KEY_GRANULE)
+        return SessionBytes(whole.device // KEY_GRANULE, whole.host // KEY_GRANULE)
 
     def _tokens_left(self) -> int:
         """Batch x length tokens of a session over all hosted blocks that still fit in the free memory."""
