@@ -175,15 +175,16 @@ def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bit
 
 
 def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
-    """Two sessions whose steps arrive 20 ms apart share one forward once both have computed a step (the batcher
-    waits for the sessions of its last two forwards), not with --batch-wait-ms 0."""
+    """Two sessions that took turns, their steps now arriving 20 ms apart, share one forward (the batcher waits for
+    the sessions of its last two forwards whose last turnaround brings them back in time), not with --batch-wait-ms
+    0, nor when the late one took longer than the wait to come back before."""
     backend = backend_of(torch.float32)
 
     async def in_this_thread(fn, *args):
         return fn(*args)
 
-    def forwards_of_the_last_steps(wait_s: float | None) -> int:
-        sessions = {name: backend.new_session(f"{name}{wait_s}", 0, 8, 1, MAX_LENGTH) for name in "ab"}
+    def forwards_of_the_last_steps(wait_s: float | None, b_came_back_after: float = 0.0) -> int:
+        sessions = {name: backend.new_session(f"{name}{wait_s}{b_came_back_after}", 0, 8, 1, MAX_LENGTH) for name in "ab"}
         batcher = StepBatcher(backend, in_this_thread, BatchLimits(8, 64, wait_s), lambda vectors, blocks: 0.5)
 
         async def step(name: str, position: int, delay: float) -> None:
@@ -193,10 +194,11 @@ def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
                                                                                    None, None))
 
         async def run() -> int:
-            await step("a", 0, 0.0)
-            await step("b", 0, 0.0)
+            for position in range(2):  # each alone, in turns
+                await step("a", position, 0.0)
+                await step("b", position, b_came_back_after * position)
             before = batcher.forwards
-            await asyncio.gather(step("a", 1, 0.0), step("b", 1, 0.02))
+            await asyncio.gather(step("a", 2, 0.0), step("b", 2, 0.02))
             await batcher.close()
             return batcher.forwards - before
 
@@ -204,3 +206,4 @@ def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
 
     assert forwards_of_the_last_steps(None) == 1
     assert forwards_of_the_last_steps(0.0) == 2
+    assert forwards_of_the_last_steps(None, b_came_back_after=0.7) == 2

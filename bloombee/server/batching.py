@@ -6,11 +6,13 @@ the same blocks that keeps the forward within --max-batch-rows and --max-batch-t
 step waiting (its pipeline computes its steps in order), so sessions take turns; the oldest step always goes next,
 so none starves, and a long prompt arrives as chunks, so a decode step waits behind one chunk at most.
 
-Sessions decoding at once would otherwise settle into groups that alternate (one group's steps travel while the
-other's compute), each forward computing a fraction of them. So a forward first waits, up to --batch-wait-ms, for
-a step of every session that had one in the last two forwards: the groups merge, and the fixed cost of a forward
-(reading every weight) is paid once per round. By default the wait is at most what a forward of one step is
-predicted to take, what a step that joins saves.
+Sessions decoding at once on one server would otherwise settle into groups that alternate (one group's steps travel
+while the other's compute), each forward computing a fraction of them. So a forward first waits, up to
+--batch-wait-ms, for a step of each session that had one in the last two forwards and whose last step came back
+quickly enough to be back before the wait ends: the groups merge, and the fixed cost of a forward (reading every
+weight) is paid once per round. By default the wait is at most what a forward of one step is predicted to take, what
+a step that joins saves. A session whose steps take longer to come back (its other servers compute while this one
+does: a pipeline) is not waited for.
 
 A forward the model of the chain predicts to be short runs on the event loop itself: torch hands the interpreter lock
 back and forth at every operation, and a compute thread sharing it with a busy event loop computes a small model's
@@ -21,6 +23,7 @@ the steps the server has already received have reached it, so that they share th
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -78,7 +81,9 @@ class StepBatcher:
         self._waiting: list[_Waiting] = []
         self.forwards = self.steps = 0  # forwards run and the steps they computed
         self.forward_seconds = 0.0  # their wall time in all
-        self._recent: deque[set[str]] = deque(maxlen=2)  # the sessions of the last two forwards: whose steps a forward waits for
+        self._recent: deque[set[str]] = deque(maxlen=2)  # the sessions of the last two forwards
+        self._answered: dict[str, float] = {}  # event loop time each session's last step was answered
+        self._turnaround: dict[str, float] = {}  # seconds each session's last step took to come after the one before
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -88,8 +93,10 @@ class StepBatcher:
         `adapter`) and the forward it went through; raises what preparing or finishing the step raised."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
-        waiting = _Waiting(session, block_range, adapter, rows, tokens, prepare,
-                           asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        if session in self._answered:
+            self._turnaround[session] = loop.time() - self._answered.pop(session)
+        waiting = _Waiting(session, block_range, adapter, rows, tokens, prepare, loop.create_future())
         self._waiting.append(waiting)
         self._arrived.set()
         try:
@@ -102,6 +109,8 @@ class StepBatcher:
         """Session `session` ended: forwards no longer wait for its steps."""
         for sessions in self._recent:
             sessions.discard(session)
+        self._answered.pop(session, None)
+        self._turnaround.pop(session, None)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -140,6 +149,8 @@ class StepBatcher:
                     waiting.done.set_exception(outcome)
                 else:
                     waiting.done.set_result((outcome, timing))
+            answered = asyncio.get_running_loop().time()
+            self._answered.update((waiting.session, answered) for waiting in batch)
 
     async def _run(self, batch: list[_Waiting]) -> tuple[list, ForwardTiming]:
         """`_forward` of `batch`: on the event loop if it is predicted short, in the compute thread otherwise."""
@@ -159,12 +170,13 @@ class StepBatcher:
                 await asyncio.sleep(0)
 
     async def _gather(self) -> None:
-        """Wait up to the wait limit for a step of every session of the last two forwards (sessions in step with each
-        other), unless the waiting ones fill a forward already."""
+        """Wait up to the wait limit for a step of each session of the last two forwards that its last turnaround
+        brings back by then (sessions in step with each other), unless the waiting ones fill a forward already."""
         if not self._waiting:  # their sessions ended while they settled
             return
-        expected = set().union(*self._recent)
         deadline = asyncio.get_running_loop().time() + self._wait_seconds()
+        expected = {session for session in set().union(*self._recent)
+                    if self._answered.get(session, math.inf) + self._turnaround.get(session, math.inf) <= deadline}
         while not expected <= {waiting.session for waiting in self._waiting} and not self._full():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
