@@ -175,23 +175,26 @@ def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bit
 
 
 def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
-    """Two sessions that took turns, their steps now arriving 20 ms apart, share one forward (the batcher waits for
-    the sessions of its last two forwards whose last turnaround brings them back in time), not with --batch-wait-ms
-    0, nor when the late one took longer than the wait to come back before."""
+    """Two sessions that took turns on a server holding their whole chains, their steps now arriving 20 ms apart,
+    share one forward (the batcher waits for the sessions of its last two forwards whose last turnaround brings
+    them back in time); not with --batch-wait-ms 0, nor when the late one took longer than the wait to come back
+    before, nor for sessions that other servers compute too (they keep their turns: a pipeline)."""
     backend = backend_of(torch.float32)
 
     async def in_this_thread(fn, *args):
         return fn(*args)
 
-    def forwards_of_the_last_steps(wait_s: float | None, b_came_back_after: float = 0.0) -> int:
-        sessions = {name: backend.new_session(f"{name}{wait_s}{b_came_back_after}", 0, 8, 1, MAX_LENGTH) for name in "ab"}
+    def forwards_of_the_last_steps(wait_s: float | None, b_came_back_after: float = 0.0,
+                                   whole_chain: bool = True) -> int:
+        sessions = {name: backend.new_session(f"{name}{wait_s}{b_came_back_after}{whole_chain}", 0, 8, 1, MAX_LENGTH)
+                    for name in "ab"}
         batcher = StepBatcher(backend, in_this_thread, BatchLimits(8, 64, wait_s), lambda vectors, blocks: 0.5)
 
         async def step(name: str, position: int, delay: float) -> None:
             await asyncio.sleep(delay)
             hidden = random_hidden(1, 1, position, torch.float32)
             await batcher.compute(name, (0, 8), 1, 1, lambda: backend.prepare_step(sessions[name], hidden, position, 0,
-                                                                                   None, None))
+                                                                                   None, None), None, whole_chain)
 
         async def run() -> int:
             for position in range(2):  # each alone, in turns
@@ -207,3 +210,4 @@ def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
     assert forwards_of_the_last_steps(None) == 1
     assert forwards_of_the_last_steps(0.0) == 2
     assert forwards_of_the_last_steps(None, b_came_back_after=0.7) == 2
+    assert forwards_of_the_last_steps(None, whole_chain=False) == 2

@@ -8,11 +8,12 @@ so none starves, and a long prompt arrives as chunks, so a decode step waits beh
 
 Sessions decoding at once on one server would otherwise settle into groups that alternate (one group's steps travel
 while the other's compute), each forward computing a fraction of them. So a forward first waits, up to
---batch-wait-ms, for a step of each session that had one in the last two forwards and whose last step came back
-quickly enough to be back before the wait ends: the groups merge, and the fixed cost of a forward (reading every
-weight) is paid once per round. By default the wait is at most what a forward of one step is predicted to take, what
-a step that joins saves. A session whose steps take longer to come back (its other servers compute while this one
-does: a pipeline) is not waited for.
+--batch-wait-ms, for a step of each session that had one in the last two forwards, that this server computes alone
+(no other server in its chain), and whose last turnaround (from its answer to its next step, less the time the event
+loop spent in forwards meanwhile, when a step that came could not be read) brings it back before the wait ends: the
+groups merge, and the fixed cost of a forward (reading every weight) is paid once per round. By default the wait is
+at most what a forward of one step is predicted to take, what a step that joins saves. Sessions that other servers
+compute too keep their turns: while one group computes here, the other computes on the next server (a pipeline).
 
 A forward the model of the chain predicts to be short runs on the event loop itself: torch hands the interpreter lock
 back and forth at every operation, and a compute thread sharing it with a busy event loop computes a small model's
@@ -67,6 +68,7 @@ class _Waiting:
     tokens: int
     prepare: Callable[[], PreparedStep]  # called just before the forward, where it runs
     done: asyncio.Future
+    whole_chain: bool  # no other server computes the session's steps
 
 
 class StepBatcher:
@@ -82,21 +84,26 @@ class StepBatcher:
         self.forwards = self.steps = 0  # forwards run and the steps they computed
         self.forward_seconds = 0.0  # their wall time in all
         self._recent: deque[set[str]] = deque(maxlen=2)  # the sessions of the last two forwards
-        self._answered: dict[str, float] = {}  # event loop time each session's last step was answered
-        self._turnaround: dict[str, float] = {}  # seconds each session's last step took to come after the one before
+        self._answered: dict[str, tuple[float, float]] = {}  # per session of a whole chain: the event loop time its
+        # last step was answered, and `_loop_in_forwards` then
+        self._turnaround: dict[str, float] = {}  # seconds each such session's last step took to come, loop forwards less
+        self._loop_in_forwards = 0.0  # seconds the event loop has spent in forwards
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     async def compute(self, session: str, block_range: tuple[int, int], rows: int, tokens: int,
-                      prepare: Callable[[], PreparedStep], adapter: str | None = None) -> tuple[Any, ForwardTiming]:
+                      prepare: Callable[[], PreparedStep], adapter: str | None = None,
+                      whole_chain: bool = False) -> tuple[Any, ForwardTiming]:
         """The result of session `session`'s step `prepare()` makes (called just before its forward, computing
-        `adapter`) and the forward it went through; raises what preparing or finishing the step raised."""
+        `adapter`) and the forward it went through; raises what preparing or finishing the step raised.
+        `whole_chain`: no other server computes the session's steps (forwards may wait for its next one)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
         loop = asyncio.get_running_loop()
         if session in self._answered:
-            self._turnaround[session] = loop.time() - self._answered.pop(session)
-        waiting = _Waiting(session, block_range, adapter, rows, tokens, prepare, loop.create_future())
+            answered, in_forwards = self._answered.pop(session)
+            self._turnaround[session] = loop.time() - answered - (self._loop_in_forwards - in_forwards)
+        waiting = _Waiting(session, block_range, adapter, rows, tokens, prepare, loop.create_future(), whole_chain)
         self._waiting.append(waiting)
         self._arrived.set()
         try:
@@ -149,15 +156,19 @@ class StepBatcher:
                     waiting.done.set_exception(outcome)
                 else:
                     waiting.done.set_result((outcome, timing))
-            answered = asyncio.get_running_loop().time()
-            self._answered.update((waiting.session, answered) for waiting in batch)
+            answered = (asyncio.get_running_loop().time(), self._loop_in_forwards)
+            self._answered.update((waiting.session, answered) for waiting in batch if waiting.whole_chain)
 
     async def _run(self, batch: list[_Waiting]) -> tuple[list, ForwardTiming]:
         """`_forward` of `batch`: on the event loop if it is predicted short, in the compute thread otherwise."""
         prepares, adapter = [waiting.prepare for waiting in batch], batch[0].adapter
         first, last = batch[0].block_range
         if self.predict_seconds(sum(waiting.tokens for waiting in batch), last - first) <= INLINE_FORWARD_S:
-            return self._forward(prepares, adapter)
+            began = time.perf_counter()
+            try:
+                return self._forward(prepares, adapter)
+            finally:
+                self._loop_in_forwards += time.perf_counter() - began
         return await self.run_compute(self._forward, prepares, adapter)
 
     async def _settle(self) -> None:
@@ -170,13 +181,14 @@ class StepBatcher:
                 await asyncio.sleep(0)
 
     async def _gather(self) -> None:
-        """Wait up to the wait limit for a step of each session of the last two forwards that its last turnaround
-        brings back by then (sessions in step with each other), unless the waiting ones fill a forward already."""
+        """Wait up to the wait limit for a step of each session of the last two forwards whose last turnaround brings
+        it back by then (sessions of whole chains in step with each other), unless the waiting ones fill a forward
+        already."""
         if not self._waiting:  # their sessions ended while they settled
             return
         deadline = asyncio.get_running_loop().time() + self._wait_seconds()
         expected = {session for session in set().union(*self._recent)
-                    if self._answered.get(session, math.inf) + self._turnaround.get(session, math.inf) <= deadline}
+                    if self._answered.get(session, (math.inf,))[0] + self._turnaround.get(session, math.inf) <= deadline}
         while not expected <= {waiting.session for waiting in self._waiting} and not self._full():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:

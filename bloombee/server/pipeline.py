@@ -271,7 +271,7 @@ class SessionPipeline:
                     self._compact(header, compaction)
                 return self.context.backend.prepare_step(self.session, step.hidden, *step_args)
 
-            out = await self._batched(step.hidden.shape[0], step.hidden.shape[:2].numel(), prepare)
+            out = await self._batched(header, step.hidden.shape[0], step.hidden.shape[:2].numel(), prepare)
         return LinearStep(out, step.token_mask, step.rope_positions) if header.route else LinearStep(out)
 
     async def _tree_step(self, header: StepHeader, step: TreeStep, duplicate: bool,
@@ -290,20 +290,21 @@ class SessionPipeline:
             return self.context.backend.prepare_tree_step(self.session, step.hidden, header.start_position,
                                                           header.batch_offset, trees, header.prune_tau)
 
-        out, kept = await self._batched(trees.num_rows, step.hidden.shape[0], prepare)
+        out, kept = await self._batched(header, trees.num_rows, step.hidden.shape[0], prepare)
         if kept is not trees:
             header = header.model_copy(update={"prune_tau": None})
             logger.debug("Session %s: pruned %d tree nodes to %d", self.session.session_id, trees.parents.numel(),
                          kept.parents.numel())
         return header, TreeStep(out, kept)
 
-    async def _batched(self, rows: int, vectors: int, prepare):
+    async def _batched(self, header: StepHeader, rows: int, vectors: int, prepare):
         """The step `prepare()` makes (after the previous tree's compaction if the step carries one, so that it never
         reads a cache not yet compacted), computed in a forward with other sessions' steps ready at once; that
         forward's time is what the hop report says the step computed."""
         session = self.session
+        whole_chain = not header.route and not header.reports  # no other server computes this session's steps
         result, timing = await self.context.batcher.compute(session.session_id, (session.start_block, session.end_block),
-                                                           rows, vectors, prepare, session.adapter)
+                                                           rows, vectors, prepare, session.adapter, whole_chain)
         self._computed = (timing.began_at, timing.seconds, timing.cpu_seconds)
         return result
 
