@@ -25,9 +25,10 @@ class ServerSettings(BaseModel):
     max_batch_tokens: int = Field(4096, ge=1, description="most tokens (rows x positions) of all sessions' steps one "
                                   "forward computes together; a larger step still runs, alone")
     batch_wait_ms: Literal["auto"] | float = Field("auto", description="milliseconds a forward may wait for a step of "
-                                                   "each session that had one in the last two forwards, so that "
-                                                   "sessions decoding at once share forwards (auto: what a forward of "
-                                                   "one step is predicted to take; 0: it starts at once)")
+                                                   "each session of the last two forwards that no other server "
+                                                   "computes, so that sessions decoding at once share forwards (auto: "
+                                                   "what a forward of one step is predicted to take; 0: it starts at "
+                                                   "once)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="make a session's outputs independent "
                                                           "of what shares its forwards: on (matmuls in row counts "
                                                           "this device rounds alike, measured at start, and a "

@@ -43,7 +43,7 @@ INLINE_FORWARD_S = 0.1  # predicted seconds up to which a forward runs on the ev
 class BatchLimits:
     max_rows: int  # rows of all steps in one forward
     max_tokens: int  # rows x positions of all steps in one forward
-    wait_s: float | None  # how long a forward may wait for the steps of recent sessions (None: a one-step forward's time)
+    wait_s: float | None  # how long a forward may wait for recent sessions' steps (None: a one-step forward's time)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class StepBatcher:
         self._recent: deque[set[str]] = deque(maxlen=2)  # the sessions of the last two forwards
         self._answered: dict[str, tuple[float, float]] = {}  # per session of a whole chain: the event loop time its
         # last step was answered, and `_loop_in_forwards` then
-        self._turnaround: dict[str, float] = {}  # seconds each such session's last step took to come, loop forwards less
+        self._turnaround: dict[str, float] = {}  # seconds each such session's last step took to come (loop forwards
+        # less)
         self._loop_in_forwards = 0.0  # seconds the event loop has spent in forwards
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -188,7 +189,8 @@ class StepBatcher:
             return
         deadline = asyncio.get_running_loop().time() + self._wait_seconds()
         expected = {session for session in set().union(*self._recent)
-                    if self._answered.get(session, (math.inf,))[0] + self._turnaround.get(session, math.inf) <= deadline}
+                    if self._answered.get(session, (math.inf,))[0] + self._turnaround.get(session, math.inf)
+                    <= deadline}
         while not expected <= {waiting.session for waiting in self._waiting} and not self._full():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
@@ -200,7 +202,7 @@ class StepBatcher:
                 return
 
     def _wait_seconds(self) -> float:
-        """The wait limit: the limits' wait_s, else what the oldest waiting step's forward alone is predicted to take."""
+        """The wait limit: the limits' wait_s, else what the oldest waiting step's forward alone should take."""
         if self.limits.wait_s is not None:
             return self.limits.wait_s
         first, last = self._waiting[0].block_range

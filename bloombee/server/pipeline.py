@@ -303,8 +303,9 @@ class SessionPipeline:
         forward's time is what the hop report says the step computed."""
         session = self.session
         whole_chain = not header.route and not header.reports  # no other server computes this session's steps
-        result, timing = await self.context.batcher.compute(session.session_id, (session.start_block, session.end_block),
-                                                           rows, vectors, prepare, session.adapter, whole_chain)
+        result, timing = await self.context.batcher.compute(session.session_id,
+                                                           (session.start_block, session.end_block), rows, vectors,
+                                                           prepare, session.adapter, whole_chain)
         self._computed = (timing.began_at, timing.seconds, timing.cpu_seconds)
         return result
 

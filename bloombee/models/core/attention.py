@@ -58,10 +58,12 @@ class _AttentionBase(nn.Module):
                       caches: Sequence[Cache | None], decoded: torch.Tensor | None) -> list[torch.Tensor]:
         """Each segment's attention output [size, heads x value dim], in order: the decode batch's rows from
         `decoded`, every other segment attending on its own."""
-        outputs = dict(zip(packing.decode.members, decoded.split(packing.decode.row_counts))) if decoded is not None else {}
+        decode = packing.decode
+        outputs = dict(zip(decode.members, decoded.split(decode.row_counts))) if decoded is not None else {}
         for index, (segment, cache, part) in enumerate(zip(packing.segments, caches, packing.slices)):
             if index not in outputs:
-                q_s, k_s, v_s = (t[part].unflatten(0, (segment.rows, segment.tokens)).transpose(1, 2) for t in (q, k, v))
+                shape = (segment.rows, segment.tokens)
+                q_s, k_s, v_s = (t[part].unflatten(0, shape).transpose(1, 2) for t in (q, k, v))
                 out = self._attend_segment(q_s, k_s, v_s, segment, cache, packing.granule)
                 outputs[index] = out.transpose(1, 2).reshape(segment.size, -1)
         return [outputs[index] for index in range(len(packing.segments))]
@@ -74,7 +76,8 @@ class _AttentionBase(nn.Module):
         keys, values = [], []
         for index in decode.members:
             segment, cache, part = packing.segments[index], caches[index], packing.slices[index]
-            rows = cache.write(segment.cache_positions, k[part].unsqueeze(2), v[part].unsqueeze(2), segment.batch_offset)
+            rows = cache.write(segment.cache_positions, k[part].unsqueeze(2), v[part].unsqueeze(2),
+                               segment.batch_offset)
             keys.append(_first_slots(cache.k[rows], decode.length))
             values.append(_first_slots(cache.v[rows], decode.length))
         keys, values = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (keys, values))
@@ -197,13 +200,13 @@ class _AttentionBase(nn.Module):
 
         def alone(row: int, node: int) -> torch.Tensor:
             slots = torch.cat([prefix, mask[row, node, start:].nonzero().squeeze(1) + start])
-            padding = granule_slots(len(slots)) - len(slots) if granule is not None else 0
-            keys, values, allowed = k[row:row + 1, :, slots], v[row:row + 1, :, slots], mask[row:row + 1, node:node + 1, slots]
+            query, allowed = q[row:row + 1, :, node:node + 1], mask[row:row + 1, node:node + 1, slots]
+            keys, values = k[row:row + 1, :, slots], v[row:row + 1, :, slots]
             if granule is None:
-                return self.attend(q[row:row + 1, :, node:node + 1], keys, values, allowed, first_head)[0, :, 0]
+                return self.attend(query, keys, values, allowed, first_head)[0, :, 0]
+            padding = granule_slots(len(slots)) - len(slots)
             keys, values = (F.pad(t, (0, 0, 0, padding)) for t in (keys, values))
-            return self.attend_one_token(q[row:row + 1, :, node:node + 1], keys, values, F.pad(allowed, (0, padding)),
-                                         first_head)[0, :, 0]
+            return self.attend_one_token(query, keys, values, F.pad(allowed, (0, padding)), first_head)[0, :, 0]
 
         return torch.stack([torch.stack([alone(row, node) for node in range(q.shape[2])], dim=1)
                             for row in range(q.shape[0])])
