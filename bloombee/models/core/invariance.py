@@ -10,7 +10,9 @@ same alone, in a micro-batch, in a speculative tree or in a forward shared with 
 size exists the mode cannot hold, and the caller says so. Two more things round a row by its company and are
 fixed the same way: an activation's exp or tanh rounds differently in a vectorised loop's scalar tail than in its
 body (so activations see rows padded to whole vector strides), and attention over a tree's 15 queries and its key
-layout adds up differently than one query's (so in the mode a tree's nodes are attended one at a time).
+layout adds up differently than one query's (so in the mode a tree's nodes are attended one at a time). And a
+decode step batched with longer ones attends keys padded further than alone: the mode probes that whole masked
+granules leave a row's bits alone (`padding_invariant_attention`), else decode steps attend one session at a time.
 """
 
 from __future__ import annotations
