@@ -10,6 +10,14 @@ ENV_PREFIX = "BLOOMBEE_"
 SettingsT = TypeVar("SettingsT", bound=BaseModel)
 
 
+
+def auto_or_at_least(value, minimum, message: str):
+    """`value` if it is "auto" or a number of at least `minimum`; else ValueError(`message`)."""
+    if value != "auto" and value < minimum:
+        raise ValueError(message)
+    return value
+
+
 class ServerSettings(BaseModel):
     """Limits and periods of one block server; each field is also `--flag` and `BLOOMBEE_FIELD`."""
 
@@ -105,9 +113,7 @@ class ServerSettings(BaseModel):
     @field_validator("batch_wait_ms")
     @classmethod
     def _wait(cls, value):
-        if value != "auto" and value < 0:
-            raise ValueError("batch_wait_ms must be auto or at least 0")
-        return value
+        return auto_or_at_least(value, 0, "batch_wait_ms must be auto or at least 0")
 
     @field_validator("offload")
     @classmethod
@@ -196,9 +202,7 @@ class ClientSettings(BaseModel):
     @field_validator("micro_batches")
     @classmethod
     def _positive(cls, value):
-        if value != "auto" and value < 1:
-            raise ValueError("micro_batches must be auto or a count of at least 1")
-        return value
+        return auto_or_at_least(value, 1, "micro_batches must be auto or a count of at least 1")
 
 
 class ApiSettings(BaseModel):
