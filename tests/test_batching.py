@@ -211,3 +211,41 @@ def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
     assert forwards_of_the_last_steps(0.0) == 2
     assert forwards_of_the_last_steps(None, b_came_back_after=0.7) == 2
     assert forwards_of_the_last_steps(None, whole_chain=False) == 2
+
+
+def test_a_forward_waits_for_the_first_step_of_a_session_just_opened():
+    """Sessions opened together compute their prompts in one forward: the step of one that opened waits (up to the
+    wait limit) for the first step of the other, which opened before that forward began; not with --batch-wait-ms
+    0, nor for a session opened once the forward had begun without it."""
+    backend = backend_of(torch.float32)
+
+    async def in_this_thread(fn, *args):
+        return fn(*args)
+
+    def forwards_of_two_prompts(wait_s: float | None, b_opens_late: bool = False) -> int:
+        sessions = {name: backend.new_session(f"{name}{wait_s}{b_opens_late}", 0, 8, 1, MAX_LENGTH) for name in "ab"}
+        batcher = StepBatcher(backend, in_this_thread, BatchLimits(8, 64, wait_s), lambda vectors, blocks: 0.5)
+
+        async def prompt(name: str, delay: float) -> None:
+            await asyncio.sleep(delay)
+            hidden = random_hidden(1, 5, len(name), torch.float32)
+            await batcher.compute(name, (0, 8), 1, 5, lambda: backend.prepare_step(sessions[name], hidden, 0, 0, None,
+                                                                                   None), None, True)
+
+        async def run() -> int:
+            batcher.opened("a")
+            if not b_opens_late:
+                batcher.opened("b")
+            first = asyncio.create_task(prompt("a", 0.0))
+            await asyncio.sleep(0.01)
+            if b_opens_late:  # a's forward waits for no one: it has run by now
+                batcher.opened("b")
+            await asyncio.gather(first, prompt("b", 0.0))
+            await batcher.close()
+            return batcher.forwards
+
+        return asyncio.run(run())
+
+    assert forwards_of_two_prompts(None) == 1
+    assert forwards_of_two_prompts(0.0) == 2
+    assert forwards_of_two_prompts(None, b_opens_late=True) == 2

@@ -16,13 +16,14 @@ class SessionHistory:
         self.mask = torch.zeros(batch_size, max_length, dtype=torch.bool)
         self.shapes: list[StepShape] = []  # in order
 
-    def write(self, start: int, hidden: torch.Tensor, mask: torch.Tensor) -> None:
-        """Keep a step's inputs [batch, T, H] and token mask at positions [start, start + T)."""
+    def write(self, start: int, hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Keep a step's inputs [batch, T, H] and token mask (None: all are tokens) at positions [start, start + T)."""
         with torch.inference_mode():
             if self.inputs is None:
                 self.inputs = torch.zeros(self.batch_size, self.max_length, self.hidden_size, dtype=hidden.dtype)
-            self.inputs[:, start:start + hidden.shape[1]] = hidden.detach().to(self.inputs.dtype).cpu()
-            self.mask[:, start:start + hidden.shape[1]] = mask
+            positions = slice(start, start + hidden.shape[1])
+            self.inputs[:, positions].copy_(hidden)
+            self.mask[:, positions] = True if mask is None else mask
 
     def record(self, shape: StepShape) -> None:
         """A step written over [shape.start, ...): later shapes are dropped."""

@@ -19,7 +19,7 @@ from bloombee.client.failover import ChainRepair
 from bloombee.client.history import SessionHistory
 from bloombee.client.steps import StepShape, StepStats, join_trees, joined, split_rows
 from bloombee.client.verification import Untrusted, Verifier
-from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy
+from bloombee.codec import LAYOUTS, CodecError, CompressionPolicy, run_codec
 from bloombee.dht.records import ServerRecord
 from bloombee.planner.inputs import CLIENT
 from bloombee.protocol import (
@@ -195,13 +195,14 @@ class InferenceSession(ChainRepair):
         if batch != self.batch_size:
             raise ValueError(f"this session was opened for batch size {self.batch_size}, got hidden states of batch {batch}")
         self._check_positions(start, num_tokens)
-        mask = torch.ones(batch, num_tokens, dtype=torch.bool) if token_mask is None else token_mask.to(torch.bool).cpu()
+        mask = None if token_mask is None else token_mask.to(torch.bool).cpu()
         outputs, done = [], 0
         while not outputs or done < num_tokens:
             chunk = slice(done, done + self._chunk_positions(self.streams))
-            outputs.append(await self._linear_step(hidden[:, chunk], mask[:, chunk], start + done))
+            outputs.append(await self._linear_step(hidden[:, chunk], None if mask is None else mask[:, chunk],
+                                                   start + done))
             done += outputs[-1].shape[1]
-        return torch.cat(outputs, dim=1)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _chunk_positions(self, streams: Sequence[SpanStream]) -> int:
         """Positions of the whole batch that all of `streams`' servers take in one message (--max-chunk-tokens)."""
@@ -209,8 +210,9 @@ class InferenceSession(ChainRepair):
                   if stream.span.record.max_chunk_tokens is not None]
         return max(min(limits) // self.batch_size, 1) if limits else self.max_length
 
-    async def _linear_step(self, hidden: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
-        """One step of consecutive tokens at positions [start, start + T) through the chain."""
+    async def _linear_step(self, hidden: torch.Tensor, mask: torch.Tensor | None, start: int) -> torch.Tensor:
+        """One step of consecutive tokens at positions [start, start + T) through the chain (`mask`: which are
+        tokens; None: all)."""
         num_tokens = hidden.shape[1]
         self.history.write(start, hidden, mask)
 
@@ -259,13 +261,13 @@ class InferenceSession(ChainRepair):
                 await self._after_failure(failure, attempt, start)
         raise AssertionError("unreachable")
 
-    def _linear_parts(self, hidden: torch.Tensor, mask: torch.Tensor,
+    def _linear_parts(self, hidden: torch.Tensor, mask: torch.Tensor | None,
                       parts: Sequence[tuple[int, int]]) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """Each micro-batch's tensors of a step of consecutive tokens."""
+        """Each micro-batch's tensors of a step of consecutive tokens (`mask` None: all are tokens)."""
         result = []
         for offset, size in parts:
-            rows = mask[offset:offset + size]
-            step = LinearStep(hidden[offset:offset + size], None if bool(rows.all()) else rows)
+            rows = None if mask is None else mask[offset:offset + size]
+            step = LinearStep(hidden[offset:offset + size], None if rows is None or bool(rows.all()) else rows)
             result.append((offset, step.tensors()))
         return result
 
@@ -372,12 +374,12 @@ class InferenceSession(ChainRepair):
             header["compact_start"] = self._compaction[0]
         header = StepHeader(session_id=chain[0].session_id, step_id=step_id, start_position=start, route=route, reply=reply,
                             reply_decode_speed=self.figures.decode_speed(CLIENT, message_bytes), **header)
-        loop = asyncio.get_running_loop()
         for offset, tensors in parts:
             if header.compact_start is not None:
                 rows = self._compaction[1][offset:offset + step_rows(tensors)]
                 tensors = {**tensors, **Compaction.of(rows).tensors()}
-            encoded = await loop.run_in_executor(None, encode_tensors, tensors, self._policy(chain[0]))
+            num_bytes = sum(tensor.nbytes for tensor in tensors.values())
+            encoded = await run_codec(None, num_bytes, encode_tensors, tensors, self._policy(chain[0]))
             step = header.model_copy(update={"batch_offset": offset})
             await chain[0].send(envelope(StepMessage(step=step), encoded.frames))
             stats.add_sent(offset, encoded)

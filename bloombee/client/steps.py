@@ -14,7 +14,8 @@ SUMMED = ("raw_bytes", "wire_bytes", "decode_s", "decode_cpu_s", "compute_s", "c
 
 def joined(outputs: dict[int, dict[str, torch.Tensor]], parts: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The micro-batches' hidden outputs in row order, as one tensor."""
-    return torch.cat([outputs[offset]["hidden"] for offset, _ in parts])
+    hidden = [outputs[offset]["hidden"] for offset, _ in parts]
+    return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
 
 def join_trees(parts: list[PackedTrees]) -> PackedTrees:

@@ -89,6 +89,7 @@ class StepBatcher:
         self._turnaround: dict[str, float] = {}  # seconds each such session's last step took to come (loop forwards
         # less)
         self._loop_in_forwards = 0.0  # seconds the event loop has spent in forwards
+        self._opened: set[str] = set()  # sessions opened since the last forward began, whose first step has not come
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -101,6 +102,7 @@ class StepBatcher:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
         loop = asyncio.get_running_loop()
+        self._opened.discard(session)
         if session in self._answered:
             answered, in_forwards = self._answered.pop(session)
             self._turnaround[session] = loop.time() - answered - (self._loop_in_forwards - in_forwards)
@@ -113,8 +115,14 @@ class StepBatcher:
             if waiting in self._waiting:  # its session ended before the step ran
                 self._waiting.remove(waiting)
 
+    def opened(self, session: str) -> None:
+        """Session `session` opened: its first step comes at once, so the next forward waits for it too (sessions
+        that open together then compute their prompts together and decode in step from the first token)."""
+        self._opened.add(session)
+
     def forget(self, session: str) -> None:
         """Session `session` ended: forwards no longer wait for its steps."""
+        self._opened.discard(session)
         for sessions in self._recent:
             sessions.discard(session)
         self._answered.pop(session, None)
@@ -143,6 +151,7 @@ class StepBatcher:
             await self._settle()
             await self._gather()
             batch = self._take()
+            self._opened.clear()
             if not batch:
                 continue
             self._recent.append({waiting.session for waiting in batch})
@@ -183,14 +192,14 @@ class StepBatcher:
 
     async def _gather(self) -> None:
         """Wait up to the wait limit for a step of each session of the last two forwards whose last turnaround brings
-        it back by then (sessions of whole chains in step with each other), unless the waiting ones fill a forward
-        already."""
+        it back by then (sessions of whole chains in step with each other) and of each session opened since the last
+        forward began, unless the waiting ones fill a forward already."""
         if not self._waiting:  # their sessions ended while they settled
             return
         deadline = asyncio.get_running_loop().time() + self._wait_seconds()
         expected = {session for session in set().union(*self._recent)
                     if self._answered.get(session, (math.inf,))[0] + self._turnaround.get(session, math.inf)
-                    <= deadline}
+                    <= deadline} | self._opened
         while not expected <= {waiting.session for waiting in self._waiting} and not self._full():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:

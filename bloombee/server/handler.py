@@ -10,7 +10,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from bloombee import codec
-from bloombee.codec import CompressionPolicy
+from bloombee.codec import CompressionPolicy, run_codec
 from bloombee.protocol import (
     STEP_TENSORS,
     AckMessage,
@@ -54,7 +54,6 @@ Envelope = runtime_pb2.ExpertRequest
 # the server closed while the client's side was open sometimes reached the client as an end of stream without the
 # error before it (about 1 in 9 runs of tests/test_rpc_fuzz.py, 1025 bad opens each)
 REFUSED_STREAM_LINGER_S = 5.0
-INLINE_CODEC_BYTES = 16384  # messages up to this size are decoded and encoded on the event loop (a few microseconds)
 
 
 class BlockServicer:
@@ -337,11 +336,9 @@ class BlockServicer:
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     async def run_codec(self, num_bytes: int, fn, *args):
-        """Run `fn` (a decode or an encode of `num_bytes`) in the codec thread, beside the compute; a small one right
-        here, as handing it to a thread would cost more than it does."""
-        if num_bytes <= INLINE_CODEC_BYTES:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)
+        """Run `fn` (a decode or an encode of `num_bytes`) in the codec thread, beside the compute (a small one right
+        here: `codec.run_codec`)."""
+        return await run_codec(self.codec, num_bytes, fn, *args)
 
 
 async def _until_client_ends(requests: AsyncIterator[Envelope]) -> None:

@@ -113,6 +113,7 @@ class SessionPipeline:
         self.replies.put_nowait(pack(message))
 
     async def responses(self) -> AsyncIterator[Envelope]:
+        self.context.batcher.opened(self.session.session_id)
         stages = [asyncio.create_task(self._guarded(stage))
                   for stage in (self._decode_stage, self._compute_stage, self._send_stage)]
         try:

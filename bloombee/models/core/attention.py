@@ -74,10 +74,10 @@ class _AttentionBase(nn.Module):
         its cache, then every row over its cache's first `length` slots, gathered -> [B, heads x value dim]."""
         decode = packing.decode
         keys, values = [], []
+        k, v = k.unsqueeze(2), v.unsqueeze(2)
         for index in decode.members:
             segment, cache, part = packing.segments[index], caches[index], packing.slices[index]
-            rows = cache.write(segment.cache_positions, k[part].unsqueeze(2), v[part].unsqueeze(2),
-                               segment.batch_offset)
+            rows = cache.write(segment.cache_positions, k[part], v[part], segment.batch_offset)
             keys.append(_first_slots(cache.k[rows], decode.length))
             values.append(_first_slots(cache.v[rows], decode.length))
         keys, values = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (keys, values))
