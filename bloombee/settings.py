@@ -10,14 +10,6 @@ ENV_PREFIX = "BLOOMBEE_"
 SettingsT = TypeVar("SettingsT", bound=BaseModel)
 
 
-
-def auto_or_at_least(value, minimum, message: str):
-    """`value` if it is "auto" or a number of at least `minimum`; else ValueError(`message`)."""
-    if value != "auto" and value < minimum:
-        raise ValueError(message)
-    return value
-
-
 class ServerSettings(BaseModel):
     """Limits and periods of one block server; each field is also `--flag` and `BLOOMBEE_FIELD`."""
 
@@ -32,11 +24,10 @@ class ServerSettings(BaseModel):
                                 "forward computes together (1: each step alone, no batching across sessions)")
     max_batch_tokens: int = Field(4096, ge=1, description="most tokens (rows x positions) of all sessions' steps one "
                                   "forward computes together; a larger step still runs, alone")
-    batch_wait_ms: Literal["auto"] | float = Field("auto", description="milliseconds a forward may wait for a step of "
-                                                   "each session of the last two forwards that no other server "
-                                                   "computes, so that sessions decoding at once share forwards (auto: "
-                                                   "what a forward of one step is predicted to take; 0: it starts at "
-                                                   "once)")
+    batch_wait_ms: float = Field(0.0, ge=0, description="milliseconds a forward may wait for a step of each "
+                                 "session of the last two forwards that no other server computes and of each session "
+                                 "just opened, so that they share it (0: a forward takes the steps ready when the "
+                                 "device is free)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="make a session's outputs independent "
                                                           "of what shares its forwards: on (matmuls in row counts "
                                                           "this device rounds alike, measured at start, and a "
@@ -109,11 +100,6 @@ class ServerSettings(BaseModel):
 
             parse_quant_type(value)
         return value
-
-    @field_validator("batch_wait_ms")
-    @classmethod
-    def _wait(cls, value):
-        return auto_or_at_least(value, 0, "batch_wait_ms must be auto or at least 0")
 
     @field_validator("offload")
     @classmethod
@@ -202,7 +188,9 @@ class ClientSettings(BaseModel):
     @field_validator("micro_batches")
     @classmethod
     def _positive(cls, value):
-        return auto_or_at_least(value, 1, "micro_batches must be auto or a count of at least 1")
+        if value != "auto" and value < 1:
+            raise ValueError("micro_batches must be auto or a count of at least 1")
+        return value
 
 
 class ApiSettings(BaseModel):

@@ -176,15 +176,16 @@ def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bit
 
 def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
     """Two sessions that took turns on a server holding their whole chains, their steps now arriving 20 ms apart,
-    share one forward (the batcher waits for the sessions of its last two forwards whose last turnaround brings
-    them back in time); not with --batch-wait-ms 0, nor when the late one took longer than the wait to come back
-    before, nor for sessions that other servers compute too (they keep their turns: a pipeline)."""
+    share one forward with --batch-wait-ms 500 (the batcher waits for the sessions of its last two forwards whose
+    last turnaround brings them back in time); not with the default 0, nor when the late one took longer than the
+    wait to come back before, nor for sessions that other servers compute too (they keep their turns: a
+    pipeline)."""
     backend = backend_of(torch.float32)
 
     async def in_this_thread(fn, *args):
         return fn(*args)
 
-    def forwards_of_the_last_steps(wait_s: float | None, b_came_back_after: float = 0.0,
+    def forwards_of_the_last_steps(wait_s: float, b_came_back_after: float = 0.0,
                                    whole_chain: bool = True) -> int:
         sessions = {name: backend.new_session(f"{name}{wait_s}{b_came_back_after}{whole_chain}", 0, 8, 1, MAX_LENGTH)
                     for name in "ab"}
@@ -207,22 +208,22 @@ def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
 
         return asyncio.run(run())
 
-    assert forwards_of_the_last_steps(None) == 1
+    assert forwards_of_the_last_steps(0.5) == 1
     assert forwards_of_the_last_steps(0.0) == 2
-    assert forwards_of_the_last_steps(None, b_came_back_after=0.7) == 2
-    assert forwards_of_the_last_steps(None, whole_chain=False) == 2
+    assert forwards_of_the_last_steps(0.5, b_came_back_after=0.7) == 2
+    assert forwards_of_the_last_steps(0.5, whole_chain=False) == 2
 
 
 def test_a_forward_waits_for_the_first_step_of_a_session_just_opened():
-    """Sessions opened together compute their prompts in one forward: the step of one that opened waits (up to the
-    wait limit) for the first step of the other, which opened before that forward began; not with --batch-wait-ms
-    0, nor for a session opened once the forward had begun without it."""
+    """Sessions opened together compute their prompts in one forward with --batch-wait-ms 500: the step of one that
+    opened waits (up to the wait limit) for the first step of the other, which opened before that forward began; not
+    with the default 0, nor for a session opened once the forward had begun without it."""
     backend = backend_of(torch.float32)
 
     async def in_this_thread(fn, *args):
         return fn(*args)
 
-    def forwards_of_two_prompts(wait_s: float | None, b_opens_late: bool = False) -> int:
+    def forwards_of_two_prompts(wait_s: float, b_opens_late: bool = False) -> int:
         sessions = {name: backend.new_session(f"{name}{wait_s}{b_opens_late}", 0, 8, 1, MAX_LENGTH) for name in "ab"}
         batcher = StepBatcher(backend, in_this_thread, BatchLimits(8, 64, wait_s), lambda vectors, blocks: 0.5)
 
@@ -246,6 +247,6 @@ def test_a_forward_waits_for_the_first_step_of_a_session_just_opened():
 
         return asyncio.run(run())
 
-    assert forwards_of_two_prompts(None) == 1
+    assert forwards_of_two_prompts(0.5) == 1
     assert forwards_of_two_prompts(0.0) == 2
-    assert forwards_of_two_prompts(None, b_opens_late=True) == 2
+    assert forwards_of_two_prompts(0.5, b_opens_late=True) == 2

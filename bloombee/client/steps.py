@@ -52,6 +52,8 @@ class StepShape:
 
 def record_shape(shapes: list[StepShape], shape: StepShape) -> list[StepShape]:
     """The shapes that built the caches once `shape` is written over [shape.start, ...): later ones dropped."""
+    if not shapes or shapes[-1].start + shapes[-1].tokens <= shape.start:  # the usual next step: nothing to drop
+        return shapes + [shape]
     kept = [earlier for earlier in shapes if earlier.start < shape.start]
     if kept and kept[-1].start + kept[-1].tokens > shape.start:
         last = kept[-1]

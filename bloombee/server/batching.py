@@ -6,14 +6,15 @@ the same blocks that keeps the forward within --max-batch-rows and --max-batch-t
 step waiting (its pipeline computes its steps in order), so sessions take turns; the oldest step always goes next,
 so none starves, and a long prompt arrives as chunks, so a decode step waits behind one chunk at most.
 
-Sessions decoding at once on one server would otherwise settle into groups that alternate (one group's steps travel
-while the other's compute), each forward computing a fraction of them. So a forward first waits, up to
---batch-wait-ms, for a step of each session that had one in the last two forwards, that this server computes alone
-(no other server in its chain), and whose last turnaround (from its answer to its next step, less the time the event
-loop spent in forwards meanwhile, when a step that came could not be read) brings it back before the wait ends: the
-groups merge, and the fixed cost of a forward (reading every weight) is paid once per round. By default the wait is
-at most what a forward of one step is predicted to take, what a step that joins saves. Sessions that other servers
-compute too keep their turns: while one group computes here, the other computes on the next server (a pipeline).
+Sessions decoding at once settle into groups that alternate: one group's steps compute while the other's travel to
+their clients and back. That keeps the device busy, and by default (--batch-wait-ms 0) a forward never waits: it
+takes the steps ready when the device is free. Where a round trip is short beside a forward's fixed cost (reading
+every weight), merging the groups pays instead: with --batch-wait-ms above 0 a forward first waits, up to that long,
+for a step of each session that had one in the last two forwards, that this server computes alone (no other server
+in its chain), and whose last turnaround (from its answer to its next step, less the time the event loop spent in
+forwards meanwhile, when a step that came could not be read) brings it back before the wait ends, and for the first
+step of each session opened since the last forward began. Sessions that other servers compute too keep their
+turns: while one group computes here, the other computes on the next server (a pipeline).
 
 A forward the model of the chain predicts to be short runs on the event loop itself: torch hands the interpreter lock
 back and forth at every operation, and a compute thread sharing it with a busy event loop computes a small model's
@@ -43,7 +44,7 @@ INLINE_FORWARD_S = 0.1  # predicted seconds up to which a forward runs on the ev
 class BatchLimits:
     max_rows: int  # rows of all steps in one forward
     max_tokens: int  # rows x positions of all steps in one forward
-    wait_s: float | None  # how long a forward may wait for recent sessions' steps (None: a one-step forward's time)
+    wait_s: float  # how long a forward may wait for recent and new sessions' steps
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,8 @@ class StepBatcher:
                 self._waiting.remove(waiting)
 
     def opened(self, session: str) -> None:
-        """Session `session` opened: its first step comes at once, so the next forward waits for it too (sessions
-        that open together then compute their prompts together and decode in step from the first token)."""
+        """Session `session` opened: its first step comes at once, so the next forward waits for it too, within the
+        wait limit (sessions that open together then compute their prompts in one forward)."""
         self._opened.add(session)
 
     def forget(self, session: str) -> None:
@@ -194,9 +195,9 @@ class StepBatcher:
         """Wait up to the wait limit for a step of each session of the last two forwards whose last turnaround brings
         it back by then (sessions of whole chains in step with each other) and of each session opened since the last
         forward began, unless the waiting ones fill a forward already."""
-        if not self._waiting:  # their sessions ended while they settled
+        if not self._waiting or not self.limits.wait_s:  # their sessions ended while they settled, or no waiting
             return
-        deadline = asyncio.get_running_loop().time() + self._wait_seconds()
+        deadline = asyncio.get_running_loop().time() + self.limits.wait_s
         expected = {session for session in set().union(*self._recent)
                     if self._answered.get(session, (math.inf,))[0] + self._turnaround.get(session, math.inf)
                     <= deadline} | self._opened
@@ -209,13 +210,6 @@ class StepBatcher:
                 await asyncio.wait_for(self._arrived.wait(), left)
             except asyncio.TimeoutError:
                 return
-
-    def _wait_seconds(self) -> float:
-        """The wait limit: the limits' wait_s, else what the oldest waiting step's forward alone should take."""
-        if self.limits.wait_s is not None:
-            return self.limits.wait_s
-        first, last = self._waiting[0].block_range
-        return self.predict_seconds(self._waiting[0].tokens, last - first)
 
     def _full(self) -> bool:
         return (sum(waiting.rows for waiting in self._waiting) >= self.limits.max_rows

@@ -67,8 +67,7 @@ class BlockServicer:
         self.link_bandwidth = link_bandwidth
         self._policies: dict[str, CompressionPolicy] = {}
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-compute")
-        wait_s = None if settings.batch_wait_ms == "auto" else settings.batch_wait_ms / 1e3
-        limits = BatchLimits(settings.max_batch_rows, settings.max_batch_tokens, wait_s)
+        limits = BatchLimits(settings.max_batch_rows, settings.max_batch_tokens, settings.batch_wait_ms / 1e3)
         self.batcher = StepBatcher(backend, self.run_compute, limits, self._predicted_forward_seconds,
                                    self._forward_done)
         self.codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bloombee-codec")
