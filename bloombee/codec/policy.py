@@ -25,6 +25,7 @@ its acknowledgement is mostly the receiver's turnaround, not bytes over the link
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -229,7 +230,7 @@ class CompressionPolicy:
         key = size_class(num_bytes)
         self._raw_streaks.setdefault(key, 0)
         r, c, dspeed = self.figures(num_bytes)
-        b_star = codec_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
+        b_star = _break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
         def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
             return Decision(
@@ -319,6 +320,13 @@ def _size(num_bytes: int) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:g} {unit}"
     return f"{num_bytes} B"
+
+
+@functools.lru_cache(maxsize=1024)
+def _break_even(ratio: float, compress_speed: float, decompress_speed: float, call_s: float, num_bytes: int) -> float:
+    """`codec_break_even` of one message, remembered: a link's figures change only when a compressed message
+    measures them, and the rule's array arithmetic costs more than the rest of a decision."""
+    return codec_break_even(ratio, compress_speed, decompress_speed, call_s, num_bytes)
 
 
 def _rate(bytes_per_s: float) -> str:
