@@ -78,8 +78,8 @@ class _AttentionBase(nn.Module):
         for index in decode.members:
             segment, cache, part = packing.segments[index], caches[index], packing.slices[index]
             rows = cache.write(segment.cache_positions, k[part], v[part], segment.batch_offset)
-            keys.append(_first_slots(cache.k[rows], decode.length))
-            values.append(_first_slots(cache.v[rows], decode.length))
+            keys.append(_first_slots(cache.k, rows, decode.length))
+            values.append(_first_slots(cache.v, rows, decode.length))
         keys, values = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (keys, values))
         queries = q[decode.vectors].unsqueeze(2)
         if not self.eager_one_token:
@@ -212,11 +212,11 @@ class _AttentionBase(nn.Module):
                             for row in range(q.shape[0])])
 
 
-def _first_slots(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """A cache's rows [b, kv, capacity, d] cut or padded (zeros, which their masks hide) to `length` slots."""
+def _first_slots(tensor: torch.Tensor, rows: slice, length: int) -> torch.Tensor:
+    """Rows `rows` of a cache [b, kv, capacity, d] cut or padded (zeros, which their masks hide) to `length` slots."""
     if tensor.shape[2] >= length:
-        return tensor[:, :, :length]
-    return F.pad(tensor, (0, 0, 0, length - tensor.shape[2]))
+        return tensor[rows, :, :length]
+    return F.pad(tensor[rows], (0, 0, 0, length - tensor.shape[2]))
 
 
 def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

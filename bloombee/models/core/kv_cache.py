@@ -69,8 +69,8 @@ class KVCache:
             raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + b}) are outside the cache's "
                              f"{self.batch_size} rows; allocate the cache for the full batch.")
         rows = slice(batch_offset, batch_offset + b)
-        self.k[rows].index_copy_(2, cache_positions, k.to(self.k.dtype))
-        self.v[rows].index_copy_(2, cache_positions, v.to(self.v.dtype))
+        self.k[rows].index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
+        self.v[rows].index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
         return rows
 
     def reorder(self, rows: torch.Tensor) -> None:
