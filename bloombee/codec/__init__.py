@@ -17,7 +17,7 @@ from .core import DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, 
 from .entropy import byte_entropy
 from .frame import CODEC_VERSION, LAYOUTS, CodecError
 from .policy import CompressionPolicy
-from .threads import INLINE_CODEC_BYTES, run_codec
+from .threads import run_codec
 
 __all__ = [
     "CODEC_VERSION",
@@ -28,7 +28,6 @@ __all__ = [
     "CodecError",
     "CompressionPolicy",
     "FrameInfo",
-    "INLINE_CODEC_BYTES",
     "auto_candidates",
     "byte_entropy",
     "call_costs",
