@@ -25,7 +25,6 @@ its acknowledgement is mostly the receiver's turnaround, not bytes over the link
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -35,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bloombee.planner.learning import Recent, size_class
-from bloombee.planner.rules import codec_break_even
+from bloombee.planner.rules import message_break_even
 
 from .calls import call_costs
 from .core import MIN_COMPRESS_BYTES, encode
@@ -230,7 +229,7 @@ class CompressionPolicy:
         key = size_class(num_bytes)
         self._raw_streaks.setdefault(key, 0)
         r, c, dspeed = self.figures(num_bytes)
-        b_star = _break_even(r, c, dspeed, call_costs().both_s, num_bytes)
+        b_star = message_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
         def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
             return Decision(
@@ -320,13 +319,6 @@ def _size(num_bytes: int) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:g} {unit}"
     return f"{num_bytes} B"
-
-
-@functools.lru_cache(maxsize=1024)
-def _break_even(ratio: float, compress_speed: float, decompress_speed: float, call_s: float, num_bytes: int) -> float:
-    """`codec_break_even` of one message, remembered: a link's figures change only when a compressed message
-    measures them, and the rule's array arithmetic costs more than the rest of a decision."""
-    return codec_break_even(ratio, compress_speed, decompress_speed, call_s, num_bytes)
 
 
 def _rate(bytes_per_s: float) -> str:

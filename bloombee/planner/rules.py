@@ -17,6 +17,7 @@ Both take numbers or numpy arrays (the planner applies the codec rule to every p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -31,6 +32,15 @@ def codec_break_even(ratio, compress_speed, decompress_speed, call_s=0.0, num_by
         cost = 1.0 / np.asarray(compress_speed, dtype=np.float64) + 1.0 / np.asarray(decompress_speed, dtype=np.float64)
         result = saved / (cost + np.asarray(call_s, dtype=np.float64) / np.asarray(num_bytes, dtype=np.float64))
     return float(result) if result.ndim == 0 else result
+
+
+@functools.lru_cache(maxsize=1024)
+def message_break_even(ratio: float, compress_speed: float, decompress_speed: float, call_s: float,
+                       num_bytes: int) -> float:
+    """`codec_break_even` of one message's figures, remembered: a link's codec policy asks it at every message, its
+    figures change only when a compressed message measures them, and the array arithmetic costs more than the rest
+    of the policy's decision."""
+    return codec_break_even(ratio, compress_speed, decompress_speed, call_s, num_bytes)
 
 
 def compression_pays(bandwidth, ratio, compress_speed, decompress_speed, call_s=0.0, num_bytes=math.inf):
