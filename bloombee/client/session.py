@@ -199,8 +199,8 @@ class InferenceSession(ChainRepair):
         outputs, done = [], 0
         while not outputs or done < num_tokens:
             chunk = slice(done, done + self._chunk_positions(self.streams))
-            outputs.append(await self._linear_step(hidden[:, chunk], None if mask is None else mask[:, chunk],
-                                                   start + done))
+            chunk_mask = None if mask is None else mask[:, chunk]
+            outputs.append(await self._linear_step(hidden[:, chunk], chunk_mask, start + done))
             done += outputs[-1].shape[1]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
@@ -211,8 +211,7 @@ class InferenceSession(ChainRepair):
         return max(min(limits) // self.batch_size, 1) if limits else self.max_length
 
     async def _linear_step(self, hidden: torch.Tensor, mask: torch.Tensor | None, start: int) -> torch.Tensor:
-        """One step of consecutive tokens at positions [start, start + T) through the chain (`mask`: which are
-        tokens; None: all)."""
+        """One step of consecutive tokens at [start, start + T) through the chain (`mask` None: all are tokens)."""
         num_tokens = hidden.shape[1]
         self.history.write(start, hidden, mask)
 

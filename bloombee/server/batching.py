@@ -87,8 +87,7 @@ class StepBatcher:
         self._recent: deque[set[str]] = deque(maxlen=2)  # the sessions of the last two forwards
         self._answered: dict[str, tuple[float, float]] = {}  # per session of a whole chain: the event loop time its
         # last step was answered, and `_loop_in_forwards` then
-        self._turnaround: dict[str, float] = {}  # seconds each such session's last step took to come (loop forwards
-        # less)
+        self._turnaround: dict[str, float] = {}  # per such session: its last step's turnaround
         self._loop_in_forwards = 0.0  # seconds the event loop has spent in forwards
         self._opened: set[str] = set()  # sessions opened since the last forward began, whose first step has not come
         self._arrived = asyncio.Event()
