@@ -250,3 +250,33 @@ def test_a_forward_waits_for_the_first_step_of_a_session_just_opened():
     assert forwards_of_two_prompts(0.5) == 1
     assert forwards_of_two_prompts(0.0) == 2
     assert forwards_of_two_prompts(0.5, b_opens_late=True) == 2
+
+
+def test_decode_steps_go_ahead_of_an_older_prompt_once():
+    """A decode step waiting beside an older prompt computes first, in a forward of its own (an interactive session is
+    not held behind a prompt); the prompt, passed over once, goes next, with a decode step that came meanwhile."""
+    backend = backend_of(torch.float32)
+    sessions = {name: backend.new_session(f"first-{name}", 0, 8, 1, MAX_LENGTH) for name in "pab"}
+    for name in "ab":  # their prompts, so that their next steps decode
+        backend.step(sessions[name], random_hidden(1, 3, ord(name), torch.float32), 0, 0, None, None)
+
+    async def slow_compute(fn, *args):
+        await asyncio.sleep(0.05)  # a forward long enough for another step to come meanwhile
+        return fn(*args)
+
+    forwards = []  # (steps, vectors) of each forward
+    batcher = StepBatcher(backend, slow_compute, BatchLimits(8, 64, 0.0), lambda vectors, blocks: 0.5,
+                          on_forward=lambda timing: forwards.append((timing.steps, timing.vectors)))
+
+    async def step(name: str, tokens: int, position: int, delay: float = 0.0) -> None:
+        await asyncio.sleep(delay)
+        hidden = random_hidden(1, tokens, position, torch.float32)
+        await batcher.compute(name, (0, 8), 1, tokens, lambda: backend.prepare_step(sessions[name], hidden, position,
+                                                                                     0, None, None), None, True)
+
+    async def run() -> None:
+        await asyncio.gather(step("p", 5, 0), step("a", 1, 3), step("b", 1, 3, delay=0.02))
+        await batcher.close()
+
+    asyncio.run(run())
+    assert forwards == [(1, 1), (2, 6)]

@@ -3,8 +3,10 @@
 Each session's pipeline hands its step here and waits for the result. While a forward runs in the compute thread,
 steps that arrive wait; the next forward takes the oldest waiting step and, in arrival order, every other one of
 the same blocks that keeps the forward within --max-batch-rows and --max-batch-tokens. A session has at most one
-step waiting (its pipeline computes its steps in order), so sessions take turns; the oldest step always goes next,
-so none starves, and a long prompt arrives as chunks, so a decode step waits behind one chunk at most.
+step waiting (its pipeline computes its steps in order), so sessions take turns. Decode steps (one token per row)
+go ahead of an older, longer step (a prompt chunk, a tree) once, in a forward of their own; that step then goes
+next, so none starves. A long prompt arrives as chunks, so a decode step waits behind one chunk at most: the one
+computing when it came.
 
 Sessions decoding at once settle into groups that alternate: one group's steps compute while the other's travel to
 their clients and back. That keeps the device busy, and by default (--batch-wait-ms 0) a forward never waits: it
@@ -70,6 +72,12 @@ class _Waiting:
     prepare: Callable[[], PreparedStep]  # called just before the forward, where it runs
     done: asyncio.Future
     whole_chain: bool  # no other server computes the session's steps
+    passed_over: bool = False  # a forward of one-token steps went ahead of it
+
+    @property
+    def one_token(self) -> bool:
+        """A decode step: one token per row."""
+        return self.tokens == self.rows
 
 
 class StepBatcher:
@@ -215,13 +223,19 @@ class StepBatcher:
                 or sum(waiting.tokens for waiting in self._waiting) >= self.limits.max_tokens)
 
     def _take(self) -> list[_Waiting]:
-        """The oldest waiting step, then in arrival order each other of its blocks and adapter that fits the limits."""
+        """The oldest waiting step, then in arrival order each other of its blocks and adapter that fits the limits;
+        but where the oldest is longer than a token per row and no forward has passed it over yet, the one-token
+        steps waiting go first, without it (it goes next)."""
         live = [waiting for waiting in self._waiting if not waiting.done.done()]
         if not live:
             self._waiting.clear()
             return []
-        batch, rows, tokens = [live[0]], live[0].rows, live[0].tokens
-        for waiting in live[1:]:
+        oldest, candidates = live[0], live
+        if not oldest.one_token and not oldest.passed_over and any(waiting.one_token for waiting in live):
+            oldest.passed_over = True
+            candidates = [waiting for waiting in live if waiting.one_token]
+        batch, rows, tokens = [candidates[0]], candidates[0].rows, candidates[0].tokens
+        for waiting in candidates[1:]:
             if (waiting.block_range == batch[0].block_range and waiting.adapter == batch[0].adapter
                     and rows + waiting.rows <= self.limits.max_rows
                     and tokens + waiting.tokens <= self.limits.max_tokens):

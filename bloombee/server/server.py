@@ -50,6 +50,7 @@ MIN_ANNOUNCE_GAP = 1.0  # seconds between two announcements when sessions come a
 # this share of the room last announced: each announcement costs its server and the DHT 20-25 ms of CPU (measured
 # here), which small sessions coming and going would otherwise add to every step being computed around them
 ROOM_CHANGE = 0.05
+WARM_ROWS = 16  # decode steps of up to this many rows are warmed up at start (BlockBackend.warm_up)
 
 
 @dataclass
@@ -129,6 +130,10 @@ class Server:
         backend.batch_invariant, backend.exact_trees = self._make_batch_invariant(
             backend, self._cache_key(start, end, backend.dtype))
         self.meter = block_throughput_meter(backend, self._cache_key(start, end, backend.dtype))
+        warm_rows = min(WARM_ROWS, self.settings.max_batch_rows)
+        began = time.perf_counter()
+        backend.warm_up(warm_rows)
+        logger.info("Warmed up decode steps of 1 to %d rows in %.0f ms", warm_rows, 1e3 * (time.perf_counter() - began))
         logger.info("Loaded blocks [%d, %d) of %s on %s as %s with %s weights (%s), %.0f%% of the KV cache in host "
                     "memory", start, end, self.model_path, self.device, backend.dtype, self.quant_type,
                     format_bytes(backend.weight_bytes), 100 * backend.offload)
