@@ -260,22 +260,26 @@ def test_decode_steps_go_ahead_of_an_older_prompt_once():
     for name in "ab":  # their prompts, so that their next steps decode
         backend.step(sessions[name], random_hidden(1, 3, ord(name), torch.float32), 0, 0, None, None)
 
-    async def slow_compute(fn, *args):
-        await asyncio.sleep(0.05)  # a forward long enough for another step to come meanwhile
+    forwards = []  # (steps, vectors) of each forward
+    late = []  # the task of b's step, which comes while the first forward computes
+
+    async def computing_while_b_comes(fn, *args):
+        if not late:
+            late.append(asyncio.create_task(step("b", 1, 3)))
+            await asyncio.sleep(0)  # b's step reaches the batcher
         return fn(*args)
 
-    forwards = []  # (steps, vectors) of each forward
-    batcher = StepBatcher(backend, slow_compute, BatchLimits(8, 64, 0.0), lambda vectors, blocks: 0.5,
+    batcher = StepBatcher(backend, computing_while_b_comes, BatchLimits(8, 64, 0.0), lambda vectors, blocks: 0.5,
                           on_forward=lambda timing: forwards.append((timing.steps, timing.vectors)))
 
-    async def step(name: str, tokens: int, position: int, delay: float = 0.0) -> None:
-        await asyncio.sleep(delay)
+    async def step(name: str, tokens: int, position: int) -> None:
         hidden = random_hidden(1, tokens, position, torch.float32)
         await batcher.compute(name, (0, 8), 1, tokens, lambda: backend.prepare_step(sessions[name], hidden, position,
                                                                                      0, None, None), None, True)
 
     async def run() -> None:
-        await asyncio.gather(step("p", 5, 0), step("a", 1, 3), step("b", 1, 3, delay=0.02))
+        await asyncio.gather(step("p", 5, 0), step("a", 1, 3))
+        await late[0]
         await batcher.close()
 
     asyncio.run(run())

@@ -110,7 +110,7 @@ class BlockBackend:
     def warm_up(self, max_rows: int) -> None:
         """Run a decode step of each batch size up to `max_rows` rows through the first block, so that what kernels
         set up per shape (oneDNN's on a CPU: ~0.5 ms a matmul shape in bfloat16) is ready before sessions come, not
-        paid by their first batched steps; the other blocks share the first's shapes."""
+        paid by their first batched steps; the other blocks of most models compute the same shapes."""
         for rows in range(1, max_rows + 1):
             session = self.new_session("warm-up", self.start, self.start + 1, rows, 1)
             self.step(session, torch.zeros(rows, 1, self.hidden_size, dtype=self.dtype), 0, 0, None, None)
