@@ -231,9 +231,10 @@ class StepBatcher:
             self._waiting.clear()
             return []
         oldest, candidates = live[0], live
-        if not oldest.one_token and not oldest.passed_over and any(waiting.one_token for waiting in live):
+        decode = [waiting for waiting in live if waiting.one_token]
+        if decode and not oldest.one_token and not oldest.passed_over:
             oldest.passed_over = True
-            candidates = [waiting for waiting in live if waiting.one_token]
+            candidates = decode
         batch, rows, tokens = [candidates[0]], candidates[0].rows, candidates[0].tokens
         for waiting in candidates[1:]:
             if (waiting.block_range == batch[0].block_range and waiting.adapter == batch[0].adapter
