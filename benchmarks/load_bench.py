@@ -5,7 +5,8 @@ thread each) and for batching on (the default) and off (`--max-batch-rows 1`: ea
 sessions in threads, each a 16-token prompt and 32 greedy tokens step by step. Per K: the aggregate tokens/s of the
 K sessions at once, and of the same K sessions one after another (the baseline a server that computes one session's
 step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions admitted, and how many sessions
-gave exactly the tokens of their solo run. And per server, while the K sessions ran at once: its steps per forward,
+gave exactly the tokens of their solo run. The two runs alternate `--repeats` times (3): the row gives the median of
+the paired ratios and their range, as this machine's speed drifts from one second to the next. And per server, while the K sessions ran at once: its steps per forward,
 its mean forward's time, and what the model of the chain (`planner.chain.SpanFigures`, from the server's announced
 figures) predicts for a forward of that many steps.
 
@@ -79,25 +80,36 @@ def run_sessions(model, prompts: list[torch.Tensor], concurrent: bool) -> tuple[
     return outs, in_threads(calls, concurrent)
 
 
-def run_k(model, vocab_size: int, k: int) -> dict:
+def run_k(model, vocab_size: int, k: int, repeats: int) -> dict:
+    """K sessions one after another, then all at once, `repeats` times in turn (this machine's speed drifts over
+    seconds, so each ratio pairs two runs a moment apart): medians and the range of the pairs' ratios, step latencies
+    over every concurrent run, sessions exact against their solo run in every repeat; forwards of the last repeat."""
     generator = torch.Generator().manual_seed(k)
     prompts = [torch.randint(3, vocab_size, (1, PROMPT), generator=generator) for _ in range(k)]
-    alone, alone_wall = run_sessions(model, prompts, concurrent=False)
-    before = forward_totals(model)
-    outs, wall = run_sessions(model, prompts, concurrent=True)
-    forwards = forwards_against_model(model, before, forward_totals(model))
-    done = [(out, solo) for out, solo in zip(outs, alone) if "tokens" in out and "tokens" in solo]
-    steps = sorted(step for out, _ in done for step in out["steps"])
-    solo_steps = sorted(step for solo in alone if "steps" in solo for step in solo["steps"])
-    tokens_per_s, one_at_a_time = len(done) * NEW_TOKENS / wall, len(done) * NEW_TOKENS / alone_wall
-    return {"k": k, "admitted": len(done), "refused": k - len(done), "tokens_per_s": tokens_per_s,
-            "one_at_a_time_tokens_per_s": one_at_a_time, "ratio": tokens_per_s / one_at_a_time,
-            "exact": sum(torch.equal(out["tokens"], solo["tokens"]) for out, solo in done),
+    pairs, exact, steps, solo_steps, refusals = [], [True] * k, [], [], set()
+    for _ in range(repeats):
+        alone, alone_wall = run_sessions(model, prompts, concurrent=False)
+        before = forward_totals(model)
+        outs, wall = run_sessions(model, prompts, concurrent=True)
+        forwards = forwards_against_model(model, before, forward_totals(model))
+        done = [index for index, (out, solo) in enumerate(zip(outs, alone)) if "tokens" in out and "tokens" in solo]
+        for index in range(k):
+            exact[index] &= index in done and torch.equal(outs[index]["tokens"], alone[index]["tokens"])
+        steps += [step for index in done for step in outs[index]["steps"]]
+        solo_steps += [step for solo in alone if "steps" in solo for step in solo["steps"]]
+        refusals |= {out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out}
+        pairs.append((len(done), len(done) * NEW_TOKENS / wall, len(done) * NEW_TOKENS / alone_wall))
+    steps.sort()
+    ratios = sorted(concurrent / one_at_a_time for _, concurrent, one_at_a_time in pairs)
+    admitted = min(count for count, _, _ in pairs)
+    return {"k": k, "admitted": admitted, "refused": k - admitted, "repeats": repeats,
+            "tokens_per_s": statistics.median(concurrent for _, concurrent, _ in pairs),
+            "one_at_a_time_tokens_per_s": statistics.median(one_at_a_time for _, _, one_at_a_time in pairs),
+            "ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]], "exact": sum(exact),
             "step_p50_ms": 1e3 * statistics.median(steps) if steps else None,
             "step_p99_ms": 1e3 * steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None,
             "solo_step_p50_ms": 1e3 * statistics.median(solo_steps) if solo_steps else None,
-            "refusals": sorted({out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out}),
-            "forwards": forwards}
+            "refusals": sorted(refusals), "forwards": forwards}
 
 
 def forward_totals(model) -> dict[str, tuple[ServerRecord, dict]]:
@@ -130,17 +142,17 @@ def blocks_of(index: int, servers: int, num_blocks: int) -> str:
     return f"{index * num_blocks // servers}:{(index + 1) * num_blocks // servers}"
 
 
-def run_client(model, ks: list[int], vocab_size: int, label: dict) -> list[dict]:
+def run_client(model, ks: list[int], vocab_size: int, label: dict, repeats: int) -> list[dict]:
     """A warm-up session, then each K: the rows, printed as they come."""
     run_sessions(model, [torch.tensor([[3] * PROMPT])], concurrent=False)
     rows = []
     for k in ks:
-        rows.append({**label, **run_k(model, vocab_size, k)})
+        rows.append({**label, **run_k(model, vocab_size, k, repeats)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str | None) -> list[dict]:
+def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str | None, repeats: int) -> list[dict]:
     """The rows of `servers` servers on loopback splitting the model's blocks evenly, batching on or off."""
     config = load_model_config(path)
     n = config.num_hidden_layers
@@ -149,14 +161,16 @@ def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str 
             swarm.add_server("--blocks", blocks_of(index, servers, n), *BATCHING[batching])
         with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
-            return run_client(model, ks, config.vocab_size, {"topology": topology_name(servers), "batching": batching})
+            label = {"topology": topology_name(servers), "batching": batching}
+            return run_client(model, ks, config.vocab_size, label, repeats)
 
 
 def topology_name(servers: int) -> str:
     return f"{servers} server{'s' if servers > 1 else ''}"
 
 
-def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env_name: str, logs: Path) -> list[dict]:
+def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env_name: str, logs: Path,
+                     repeats: int) -> list[dict]:
     """The same in netbench's namespaces shaped as `env_name`: servers s0, s1, ..., the client's part of this script
     in the namespace `client`, its rows read from its output."""
     from benchmarks.netbench import netns, presets
@@ -175,7 +189,7 @@ def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env
                                    list(BATCHING[batching]), "auto", link, threads=1)
             argv = [sys.executable, "-m", "benchmarks.load_bench", "--client-in", topology.ips["client"], "--model",
                     str(path), "--ks", *map(str, ks), "--servers", str(servers), "--batching", batching,
-                    "--env", env_name, "--initial-peers", *swarm.initial_peers]
+                    "--env", env_name, "--repeats", str(repeats), "--initial-peers", *swarm.initial_peers]
             rows = client_rows(topology, argv)
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -195,7 +209,7 @@ def client_in_namespace(args: argparse.Namespace) -> None:
     with AutoDistributedModel.from_pretrained(str(path), dht=dht, link_bandwidth_mbps=link) as model:
         wait_for_servers(model, args.servers[0])
         label = {"topology": topology_name(args.servers[0]), "batching": args.batching, "env": args.env}
-        run_client(model, args.ks, load_model_config(path).vocab_size, label)
+        run_client(model, args.ks, load_model_config(path).vocab_size, label, args.repeats)
     dht.shutdown()
 
 
@@ -204,6 +218,7 @@ def main() -> None:
     parser.add_argument("--model", default="bloombee-tiny", help="a model, or a netbench model name (pipeline, ...)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="chains compared, by server count")
+    parser.add_argument("--repeats", type=int, default=3, help="one-at-a-time and concurrent runs per K, in turn")
     parser.add_argument("--env", default=None, help="a netbench environment (E1..E6, as root): shaped namespaces")
     parser.add_argument("--output", default=str(RESULTS / "load.json"))
     parser.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temporary one)")
@@ -218,10 +233,10 @@ def main() -> None:
     model = resolve_model(resolve(args.model)[0])
     logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-"))
     rows = [row for servers in args.servers for batching in BATCHING
-            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs) if args.env
-                        else run_swarm(model, servers, batching, args.ks, args.logs))]
+            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, args.repeats) if args.env
+                        else run_swarm(model, servers, batching, args.ks, args.logs, args.repeats))]
     results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": NEW_TOKENS,
-               "rows": rows}
+               "repeats": args.repeats, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
     plot(results, Path(args.output).with_suffix(".png"))

@@ -72,11 +72,12 @@ class BlockStack(nn.Module):
         the fraction ``offload`` of each block's KV heads (rounded up to whole heads) in host memory; ``max_length``
         slots rounded up to what a one-token step attends (``core.packing.granule_slots``)."""
         lo, hi = self.local_range(block_range)
+        dtype, device = self.dtype, self.device  # each a walk over the modules: once, not once a block
         caches = []
         for cfg in self.block_configs[lo:hi]:
             heads, key_dim, value_dim = cfg.cache_layout
             host_heads = host_kv_heads(offload, heads)
-            shape = (batch_size, heads, granule_slots(max_length), key_dim, self.dtype, self.device)
+            shape = (batch_size, heads, granule_slots(max_length), key_dim, dtype, device)
             caches.append(OffloadedKVCache(*shape, host_heads, value_dim=value_dim) if host_heads
                           else KVCache(*shape, value_dim=value_dim))
         return caches
