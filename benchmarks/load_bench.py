@@ -1,14 +1,15 @@
 """Concurrent sessions on a small swarm, batching across sessions on and off, side by side.
 
 For each topology (one server holding every block, two servers of half the blocks each, ...: `--servers`; one torch
-thread each) and for batching on (the default) and off (`--max-batch-rows 1`: each step computed alone), one client process runs K
-sessions in threads, each a 16-token prompt and 32 greedy tokens step by step. Per K: the aggregate tokens/s of the
-K sessions at once, and of the same K sessions one after another (the baseline a server that computes one session's
-step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions admitted, and how many sessions
-gave exactly the tokens of their solo run. The two runs alternate `--repeats` times (3): the row gives the median of
-the paired ratios and their range, as this machine's speed drifts from one second to the next. And per server, while the K sessions ran at once: its steps per forward,
-its mean forward's time, and what the model of the chain (`planner.chain.SpanFigures`, from the server's announced
-figures) predicts for a forward of that many steps.
+thread each) and for batching on (the default) and off (`--max-batch-rows 1`: each step computed alone), one client
+process runs K sessions in threads, each a 16-token prompt and 32 greedy tokens step by step. Per K: the aggregate
+tokens/s of the K sessions at once, and of the same K sessions one after another (the baseline a server that computes
+one session's step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions admitted, and how
+many sessions gave exactly the tokens of their solo run. The two runs alternate `--repeats` times (3), as this
+machine's speed drifts from one second to the next: a row gives the median of the paired ratios and their range. And
+per server, while the K sessions last ran at once: its steps per forward, its mean forward's time, and what the model
+of the chain (`planner.chain.SpanFigures`, from the server's announced figures) predicts for a forward of that many
+steps.
 
     python -m benchmarks.load_bench --ks 1 2 4 8 16 32
 
@@ -233,8 +234,8 @@ def main() -> None:
     model = resolve_model(resolve(args.model)[0])
     logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-"))
     rows = [row for servers in args.servers for batching in BATCHING
-            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, args.repeats) if args.env
-                        else run_swarm(model, servers, batching, args.ks, args.logs, args.repeats))]
+            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, args.repeats)
+                        if args.env else run_swarm(model, servers, batching, args.ks, args.logs, args.repeats))]
     results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": NEW_TOKENS,
                "repeats": args.repeats, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
