@@ -48,16 +48,38 @@ SPEED_WINDOW = 9  # codec ratios and speeds are the median of this many recent c
 
 @dataclass
 class Decision:
+    """What a policy chose for one message and from which figures; `rule` names the case of the rule that decided
+    (its `reason` is spelled out only when read: a policy decides at every message)."""
+
     layout: str
     compress: bool
-    reason: str
+    rule: str  # "off", "small", "on", "unknown link", "slow link", "probe" or "fast link"
     num_bytes: int
     bandwidth: float | None
     ratio: float
     compress_speed: float
     decompress_speed: float
     break_even_bandwidth: float
+    min_bytes: int
     probe: bool = False
+
+    @property
+    def reason(self) -> str:
+        figures = (f"ratio {self.ratio:.3f}, encode {_rate(self.compress_speed)}, "
+                   f"decode {_rate(self.decompress_speed)}, break-even {_rate(self.break_even_bandwidth)}")
+        link = None if self.bandwidth is None else _rate(self.bandwidth)
+        return {
+            "off": "raw: compression is off for this link",
+            "small": f"raw: {self.num_bytes} B is under the {self.min_bytes} B minimum worth compressing",
+            "on": "compress: compression is forced on for this link",
+            "unknown link": f"compress: link bandwidth unknown, assuming a slow link ({figures})",
+            "slow link": f"compress: link {link} < break-even ({figures})",
+            "probe": f"compress (probe to refresh estimates): link {link} >= break-even ({figures})",
+            "fast link": f"raw: link {link} >= break-even ({figures})",
+        }[self.rule]
+
+    def report(self) -> dict:
+        return {**asdict(self), "reason": self.reason}
 
 
 class ByteCost:
@@ -221,7 +243,8 @@ class CompressionPolicy:
             self._last = d
             self._counts["compressed" if d.compress else "raw"] += 1
             self._counts["probes"] += d.probe
-        logger.debug("codec policy: %s", d.reason)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("codec policy: %s", d.reason)
         return d.layout
 
     def _decide(self, num_bytes: int) -> Decision:
@@ -231,37 +254,27 @@ class CompressionPolicy:
         r, c, dspeed = self.figures(num_bytes)
         b_star = message_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
-        def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
-            return Decision(
-                layout=self.layout if compress else "raw",
-                compress=compress,
-                reason=reason,
-                num_bytes=num_bytes,
-                bandwidth=bw,
-                ratio=r,
-                compress_speed=c,
-                decompress_speed=dspeed,
-                break_even_bandwidth=b_star,
-                probe=probe,
-            )
+        def decision(compress: bool, rule: str) -> Decision:
+            return Decision(layout=self.layout if compress else "raw", compress=compress, rule=rule,
+                            num_bytes=num_bytes, bandwidth=bw, ratio=r, compress_speed=c, decompress_speed=dspeed,
+                            break_even_bandwidth=b_star, min_bytes=self.min_bytes, probe=rule == "probe")
 
         if self.mode == "off":
-            return decision(False, "raw: compression is off for this link")
+            return decision(False, "off")
         if num_bytes < self.min_bytes:
-            return decision(False, f"raw: {num_bytes} B is under the {self.min_bytes} B minimum worth compressing")
+            return decision(False, "small")
         if self.mode == "on":
-            return decision(True, "compress: compression is forced on for this link")
-        figures = f"ratio {r:.3f}, encode {_rate(c)}, decode {_rate(dspeed)}, break-even {_rate(b_star)}"
+            return decision(True, "on")
         if bw is None:
-            return decision(True, f"compress: link bandwidth unknown, assuming a slow link ({figures})")
+            return decision(True, "unknown link")
         if bw < b_star:
             self._raw_streaks[key] = 0
-            return decision(True, f"compress: link {_rate(bw)} < break-even ({figures})")
+            return decision(True, "slow link")
         self._raw_streaks[key] += 1
         if self.probe_every and self._raw_streaks[key] >= self.probe_every:
             self._raw_streaks[key] = 0
-            return decision(True, f"compress (probe to refresh estimates): link {_rate(bw)} >= break-even ({figures})", True)
-        return decision(False, f"raw: link {_rate(bw)} >= break-even ({figures})")
+            return decision(True, "probe")
+        return decision(False, "fast link")
 
     # ------------------------------------------------------------------ observations
     def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
@@ -302,7 +315,7 @@ class CompressionPolicy:
             return {
                 "mode": self.mode,
                 "layout": self.layout,
-                "last": asdict(self._last) if self._last else None,
+                "last": self._last.report() if self._last else None,
                 "bandwidth": self.bandwidth,
                 "estimates": {f"< {_size(1 << key)}": self._report(key, observations) for key in sorted(met)},
                 "counts": dict(self._counts),
