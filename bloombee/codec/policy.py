@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 
 SPEED_WINDOW = 9  # codec ratios and speeds are the median of this many recent calls
+COMPRESSING_RULES = ("on", "unknown link", "slow link", "probe")  # the cases of the rule that compress (Decision.rule)
 
 
 @dataclass
@@ -52,7 +53,6 @@ class Decision:
     (its `reason` is spelled out only when read: a policy decides at every message)."""
 
     layout: str
-    compress: bool
     rule: str  # "off", "small", "on", "unknown link", "slow link", "probe" or "fast link"
     num_bytes: int
     bandwidth: float | None
@@ -61,7 +61,14 @@ class Decision:
     decompress_speed: float
     break_even_bandwidth: float
     min_bytes: int
-    probe: bool = False
+
+    @property
+    def compress(self) -> bool:
+        return self.rule in COMPRESSING_RULES
+
+    @property
+    def probe(self) -> bool:
+        return self.rule == "probe"
 
     @property
     def reason(self) -> str:
@@ -79,7 +86,7 @@ class Decision:
         }[self.rule]
 
     def report(self) -> dict:
-        return {**asdict(self), "reason": self.reason}
+        return {**asdict(self), "compress": self.compress, "probe": self.probe, "reason": self.reason}
 
 
 class ByteCost:
@@ -254,27 +261,27 @@ class CompressionPolicy:
         r, c, dspeed = self.figures(num_bytes)
         b_star = message_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
-        def decision(compress: bool, rule: str) -> Decision:
-            return Decision(layout=self.layout if compress else "raw", compress=compress, rule=rule,
-                            num_bytes=num_bytes, bandwidth=bw, ratio=r, compress_speed=c, decompress_speed=dspeed,
-                            break_even_bandwidth=b_star, min_bytes=self.min_bytes, probe=rule == "probe")
+        def decision(rule: str) -> Decision:
+            return Decision(layout=self.layout if rule in COMPRESSING_RULES else "raw", rule=rule, num_bytes=num_bytes,
+                            bandwidth=bw, ratio=r, compress_speed=c, decompress_speed=dspeed,
+                            break_even_bandwidth=b_star, min_bytes=self.min_bytes)
 
         if self.mode == "off":
-            return decision(False, "off")
+            return decision("off")
         if num_bytes < self.min_bytes:
-            return decision(False, "small")
+            return decision("small")
         if self.mode == "on":
-            return decision(True, "on")
+            return decision("on")
         if bw is None:
-            return decision(True, "unknown link")
+            return decision("unknown link")
         if bw < b_star:
             self._raw_streaks[key] = 0
-            return decision(True, "slow link")
+            return decision("slow link")
         self._raw_streaks[key] += 1
         if self.probe_every and self._raw_streaks[key] >= self.probe_every:
             self._raw_streaks[key] = 0
-            return decision(True, "probe")
-        return decision(False, "fast link")
+            return decision("probe")
+        return decision("fast link")
 
     # ------------------------------------------------------------------ observations
     def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
