@@ -10,7 +10,6 @@ import torch
 from bloombee.loading import load_block_stack, resolve_model
 from bloombee.models.core.invariance import (chunk_linear_rows, chunk_sizes, make_batch_invariant, row_floor,
                                               unchunk_linear_rows)
-from bloombee.models.core.masks import causal_mask, rope_positions_from_padding
 from bloombee.models.core.packing import pack
 from bloombee.protocol import InvalidStep
 from bloombee.server.backend import BlockBackend
@@ -113,17 +112,6 @@ def test_chunking_is_undone_for_a_server_that_finds_it_too_slow():
     assert "forward" in vars(layer)
     unchunk_linear_rows(stack)
     assert "forward" not in vars(layer) and type(layer).forward is torch.nn.Linear.forward
-
-
-def test_a_decode_step_of_left_padded_rows_attends_and_rotates_as_the_causal_mask_says():
-    backend = backend_of(torch.float32)
-    session = backend.new_session("padded", 0, 8, 3, MAX_LENGTH)
-    padding = torch.tensor([[False, False, True, True, True], [True] * 5, [False, True, True, True, True]])
-    backend.run([backend.prepare_step(session, random_hidden(3, 5, 0, torch.float32), 0, 0, padding, None)])
-    decode = backend.prepare_step(session, random_hidden(3, 1, 1, torch.float32), 5, 0, None, None)
-    key_padding = torch.cat([padding, torch.ones(3, 1, dtype=torch.bool)], dim=1)
-    assert torch.equal(decode.segment.mask, causal_mask(torch.tensor([5]), 6, key_padding))
-    assert decode.rope_positions.tolist() == rope_positions_from_padding(key_padding)[:, 5].tolist() == [3, 5, 4]
 
 
 def test_a_step_that_fails_to_prepare_is_refused_alone():

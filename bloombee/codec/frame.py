@@ -127,12 +127,6 @@ def pack_header(layout: str, dtype: torch.dtype, shape: tuple[int, ...], lanes: 
     return out
 
 
-def frame_layout(frame: bytes) -> str:
-    """The layout of a frame this codec has just encoded: its fixed header's layout id, nothing else read or checked
-    (``parse_header`` validates a received frame)."""
-    return LAYOUT_NAMES[_FIXED.unpack_from(frame)[2]]
-
-
 def checksum(header_wo_checksum, payload: list) -> bytes:
     """The 4 checksum bytes of a frame with this header and payload."""
     hasher = xxhash.xxh3_64(header_wo_checksum)

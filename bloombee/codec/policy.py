@@ -44,49 +44,20 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 
 SPEED_WINDOW = 9  # codec ratios and speeds are the median of this many recent calls
-COMPRESSING_RULES = ("on", "unknown link", "slow link", "probe")  # the cases of the rule that compress (Decision.rule)
 
 
 @dataclass
 class Decision:
-    """What a policy chose for one message and from which figures; `rule` names the case of the rule that decided
-    (its `reason` is spelled out only when read: a policy decides at every message)."""
-
     layout: str
-    rule: str  # "off", "small", "on", "unknown link", "slow link", "probe" or "fast link"
+    compress: bool
+    reason: str
     num_bytes: int
     bandwidth: float | None
     ratio: float
     compress_speed: float
     decompress_speed: float
     break_even_bandwidth: float
-    min_bytes: int
-
-    @property
-    def compress(self) -> bool:
-        return self.rule in COMPRESSING_RULES
-
-    @property
-    def probe(self) -> bool:
-        return self.rule == "probe"
-
-    @property
-    def reason(self) -> str:
-        figures = (f"ratio {self.ratio:.3f}, encode {_rate(self.compress_speed)}, "
-                   f"decode {_rate(self.decompress_speed)}, break-even {_rate(self.break_even_bandwidth)}")
-        link = None if self.bandwidth is None else _rate(self.bandwidth)
-        return {
-            "off": "raw: compression is off for this link",
-            "small": f"raw: {self.num_bytes} B is under the {self.min_bytes} B minimum worth compressing",
-            "on": "compress: compression is forced on for this link",
-            "unknown link": f"compress: link bandwidth unknown, assuming a slow link ({figures})",
-            "slow link": f"compress: link {link} < break-even ({figures})",
-            "probe": f"compress (probe to refresh estimates): link {link} >= break-even ({figures})",
-            "fast link": f"raw: link {link} >= break-even ({figures})",
-        }[self.rule]
-
-    def report(self) -> dict:
-        return {**asdict(self), "compress": self.compress, "probe": self.probe, "reason": self.reason}
+    probe: bool = False
 
 
 class ByteCost:
@@ -250,8 +221,7 @@ class CompressionPolicy:
             self._last = d
             self._counts["compressed" if d.compress else "raw"] += 1
             self._counts["probes"] += d.probe
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("codec policy: %s", d.reason)
+        logger.debug("codec policy: %s", d.reason)
         return d.layout
 
     def _decide(self, num_bytes: int) -> Decision:
@@ -261,27 +231,37 @@ class CompressionPolicy:
         r, c, dspeed = self.figures(num_bytes)
         b_star = message_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
-        def decision(rule: str) -> Decision:
-            return Decision(layout=self.layout if rule in COMPRESSING_RULES else "raw", rule=rule, num_bytes=num_bytes,
-                            bandwidth=bw, ratio=r, compress_speed=c, decompress_speed=dspeed,
-                            break_even_bandwidth=b_star, min_bytes=self.min_bytes)
+        def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
+            return Decision(
+                layout=self.layout if compress else "raw",
+                compress=compress,
+                reason=reason,
+                num_bytes=num_bytes,
+                bandwidth=bw,
+                ratio=r,
+                compress_speed=c,
+                decompress_speed=dspeed,
+                break_even_bandwidth=b_star,
+                probe=probe,
+            )
 
         if self.mode == "off":
-            return decision("off")
+            return decision(False, "raw: compression is off for this link")
         if num_bytes < self.min_bytes:
-            return decision("small")
+            return decision(False, f"raw: {num_bytes} B is under the {self.min_bytes} B minimum worth compressing")
         if self.mode == "on":
-            return decision("on")
+            return decision(True, "compress: compression is forced on for this link")
+        figures = f"ratio {r:.3f}, encode {_rate(c)}, decode {_rate(dspeed)}, break-even {_rate(b_star)}"
         if bw is None:
-            return decision("unknown link")
+            return decision(True, f"compress: link bandwidth unknown, assuming a slow link ({figures})")
         if bw < b_star:
             self._raw_streaks[key] = 0
-            return decision("slow link")
+            return decision(True, f"compress: link {_rate(bw)} < break-even ({figures})")
         self._raw_streaks[key] += 1
         if self.probe_every and self._raw_streaks[key] >= self.probe_every:
             self._raw_streaks[key] = 0
-            return decision("probe")
-        return decision("fast link")
+            return decision(True, f"compress (probe to refresh estimates): link {_rate(bw)} >= break-even ({figures})", True)
+        return decision(False, f"raw: link {_rate(bw)} >= break-even ({figures})")
 
     # ------------------------------------------------------------------ observations
     def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
@@ -322,7 +302,7 @@ class CompressionPolicy:
             return {
                 "mode": self.mode,
                 "layout": self.layout,
-                "last": self._last.report() if self._last else None,
+                "last": asdict(self._last) if self._last else None,
                 "bandwidth": self.bandwidth,
                 "estimates": {f"< {_size(1 << key)}": self._report(key, observations) for key in sorted(met)},
                 "counts": dict(self._counts),

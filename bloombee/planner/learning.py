@@ -21,27 +21,22 @@ class Recent:
         self.prior, self.statistic = prior, statistic
         self.values: deque[float] = deque(maxlen=window)
         self.count = 0  # observations so far (the window keeps the last ones)
-        self._value: float | None = None  # the statistic of `values`, once asked for (a codec policy asks per message)
 
     def update(self, value: float) -> None:
         self.values.append(value)
         self.count += 1
-        self._value = None
 
     def adopt(self, value: float) -> None:
         """Take `value` (measured elsewhere) in place of the observations so far."""
         self.values.clear()
         self.values.append(value)
         self.count = max(self.count, 1)
-        self._value = None
 
     @property
     def value(self) -> float | None:
         if not self.values:
             return self.prior
-        if self._value is None:
-            self._value = statistics.median(self.values) if self.statistic == "median" else statistics.fmean(self.values)
-        return self._value
+        return statistics.median(self.values) if self.statistic == "median" else statistics.fmean(self.values)
 
     @property
     def spread(self) -> float:
