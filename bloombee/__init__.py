@@ -4,7 +4,17 @@
 model and joins a swarm; the client package (and torch with it) is imported only when one of them is first used.
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# torch's OpenMP workers (GNU libgomp, in its Linux wheels) spin 300,000 turns after each parallel operation before
+# they sleep, several milliseconds: a client waiting for the swarm between steps, or a server waiting for the next
+# step, keeps a core busy for nothing. 10,000 turns keep back-to-back operations as fast
+# (benchmarks/omp_spin_bench.py). libgomp reads it once, when torch loads; a wait policy or spin count set stays.
+OMP_SPIN_TURNS = "10000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_TURNS)
 
 _CLIENT_NAMES = ("AutoDistributedModel", "AutoDistributedModelForCausalLM", "DistributedModelForCausalLM")
 

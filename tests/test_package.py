@@ -59,3 +59,14 @@ def test_wheel_ships_specs_and_templates_and_codegen_runs_from_it(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert "families up to date" in result.stdout
+
+
+@pytest.mark.parametrize("chosen, spin", [({}, bloombee.OMP_SPIN_TURNS), ({"GOMP_SPINCOUNT": "123"}, "123"),
+                                          ({"OMP_WAIT_POLICY": "ACTIVE"}, "None")])
+def test_import_bounds_the_openmp_spin_unless_the_user_chose_one(chosen, spin):
+    env = {key: value for key, value in os.environ.items() if key not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import os, bloombee; print(os.environ.get('GOMP_SPINCOUNT'))"
+    result = subprocess.run([sys.executable, "-c", code], env={**env, **chosen}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == spin
