@@ -3,10 +3,11 @@
 After each parallel operation, torch's OpenMP worker threads (GNU libgomp, in torch's Linux wheels) spin
 GOMP_SPINCOUNT turns (300,000 by default) before they sleep. Between two decode steps a client waits for the swarm
 and a server for the next step, so each keeps a core spinning for nothing. `import bloombee` bounds the spin
-(`bloombee.OMP_SPIN_TURNS`) unless the user chose a wait policy. Side by side, `--repeats` times in turn, each configuration in
-processes of its own (libgomp reads its environment once): one server holding every block and one client, both at
-torch's default threads (one per core), one session of `--steps` greedy decode steps at a time. Per configuration:
-the decode step's median, and the client's and the server's CPU while decoding, in cores.
+(`bloombee.OMP_SPIN_TURNS`) unless the user chose a wait policy. Side by side, `--repeats` times in turn, each
+configuration in processes of its own (libgomp reads its environment once): one server holding every block and one
+client, both at torch's default threads (one per core), one session of `--steps` greedy decode steps at a time. Per
+configuration: the decode step's median, the client's and the server's CPU while decoding, in cores, and the local
+transformers model's decode step in the client's process.
 
     python -m benchmarks.omp_spin_bench
 """
@@ -46,24 +47,29 @@ def measure(steps: int, sessions: int) -> dict:
         with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
             prompt = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
-            step_times, busy_client, busy_server, wall = [], 0.0, 0.0, 0.0
-            for index in range(sessions + 1):  # the first warms both sides up
-                with torch.inference_mode(), model.remote.inference_session(max_length=PROMPT + steps + 1) as session:
-                    token = model.head.logits(session.step(model.head.embed(prompt)))[:, -1:].argmax(-1)
-                    began, client_began, server_began = time.perf_counter(), time.process_time(), cpu_seconds(server.process.pid)
-                    times = []
-                    for _ in range(steps):
-                        step_began = time.perf_counter()
-                        token = model.head.logits(session.step(model.head.embed(token)))[:, -1:].argmax(-1)
-                        times.append(time.perf_counter() - step_began)
-                    if index:
-                        wall += time.perf_counter() - began
-                        busy_client += time.process_time() - client_began
-                        busy_server += cpu_seconds(server.process.pid) - server_began
-                        step_times += times
-    return {"step_ms": 1e3 * statistics.median(step_times), "client_cores": busy_client / wall,
-            "server_cores": busy_server / wall, "local_step_ms": local_step_ms(path, steps),
+            decode_session(model, prompt, steps, server.process.pid)  # warms both sides up
+            runs = [decode_session(model, prompt, steps, server.process.pid) for _ in range(sessions)]
+    wall = sum(run["wall"] for run in runs)
+    return {"step_ms": 1e3 * statistics.median(step for run in runs for step in run["steps"]),
+            "client_cores": sum(run["client_cpu"] for run in runs) / wall,
+            "server_cores": sum(run["server_cpu"] for run in runs) / wall, "local_step_ms": local_step_ms(path, steps),
             "torch_threads": torch.get_num_threads(), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+
+
+def decode_session(model, prompt, steps: int, server_pid: int) -> dict:
+    """One session: the prompt, then `steps` greedy decode steps, timed, with this process's and the server's CPU."""
+    import torch
+
+    with torch.inference_mode(), model.remote.inference_session(max_length=PROMPT + steps + 1) as session:
+        token = model.head.logits(session.step(model.head.embed(prompt)))[:, -1:].argmax(-1)
+        began, client_began, server_began = time.perf_counter(), time.process_time(), cpu_seconds(server_pid)
+        times = []
+        for _ in range(steps):
+            step_began = time.perf_counter()
+            token = model.head.logits(session.step(model.head.embed(token)))[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - step_began)
+        return {"steps": times, "wall": time.perf_counter() - began, "client_cpu": time.process_time() - client_began,
+                "server_cpu": cpu_seconds(server_pid) - server_began}
 
 
 def local_step_ms(path, steps: int, rounds: int = 5) -> float:
