@@ -27,11 +27,6 @@ PROMPT = 16
 KEYS = ("step_ms", "client_cores", "server_cores", "local_step_ms")
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(steps: int, sessions: int) -> dict:
     """In this process: a one-server swarm and `sessions` sessions one after another; step times and CPU."""
     from bloombee.client import AutoDistributedModel  # before torch, which loads libgomp
@@ -60,16 +55,18 @@ def decode_session(model, prompt, steps: int, server_pid: int) -> dict:
     """One session: the prompt, then `steps` greedy decode steps, timed, with this process's and the server's CPU."""
     import torch
 
+    from bloombee.host_costs import processes_cpu_s
+
     with torch.inference_mode(), model.remote.inference_session(max_length=PROMPT + steps + 1) as session:
         token = model.head.logits(session.step(model.head.embed(prompt)))[:, -1:].argmax(-1)
-        began, client_began, server_began = time.perf_counter(), time.process_time(), cpu_seconds(server_pid)
+        began, client_began, server_began = time.perf_counter(), time.process_time(), processes_cpu_s([server_pid])
         times = []
         for _ in range(steps):
             step_began = time.perf_counter()
             token = model.head.logits(session.step(model.head.embed(token)))[:, -1:].argmax(-1)
             times.append(time.perf_counter() - step_began)
         return {"steps": times, "wall": time.perf_counter() - began, "client_cpu": time.process_time() - client_began,
-                "server_cpu": cpu_seconds(server_pid) - server_began}
+                "server_cpu": processes_cpu_s([server_pid]) - server_began}
 
 
 def local_step_ms(path, steps: int, rounds: int = 5) -> float:

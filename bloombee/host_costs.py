@@ -158,11 +158,11 @@ async def _answer(requests, context):
 async def _timed(client: P2P, server: P2P, daemons: list[int], size: int, round_trips: int) -> tuple[float, ...]:
     """Per message of `size` bytes (two per round trip, each with its acknowledgement, through both ends): wall
     seconds, this process's CPU seconds, the two daemons' CPU seconds."""
-    daemon_before, cpu_before, began = _daemon_cpu_s(daemons), time.process_time(), time.perf_counter()
+    daemon_before, cpu_before, began = processes_cpu_s(daemons), time.process_time(), time.perf_counter()
     await _round_trips(client, server, size, round_trips)
     messages = 2 * round_trips
     return ((time.perf_counter() - began) / messages, (time.process_time() - cpu_before) / messages,
-            (_daemon_cpu_s(daemons) - daemon_before) / messages)
+            (processes_cpu_s(daemons) - daemon_before) / messages)
 
 
 async def _round_trips(client: P2P, server: P2P, size: int, count: int) -> None:
@@ -185,7 +185,7 @@ async def _round_trips(client: P2P, server: P2P, size: int, count: int) -> None:
             answered.put_nowait(message)
 
 
-def _daemon_cpu_s(pids: list[int]) -> float:
+def processes_cpu_s(pids: list[int]) -> float:
     """CPU seconds (user + system) the processes `pids` have used."""
     total = 0.0
     for pid in pids:
