@@ -13,7 +13,8 @@ layout = policy.choose(num_bytes)                   # "raw" or "auto" by the bre
 """
 
 from .calls import CallCosts, call_costs
-from .core import DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, inspect
+from .core import (DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, frame_layout,
+                   inspect)
 from .entropy import byte_entropy
 from .frame import CODEC_VERSION, LAYOUTS, CodecError
 from .policy import CompressionPolicy
@@ -33,6 +34,7 @@ __all__ = [
     "call_costs",
     "decode",
     "encode",
+    "frame_layout",
     "inspect",
     "run_codec",
 ]

@@ -48,16 +48,37 @@ SPEED_WINDOW = 9  # codec ratios and speeds are the median of this many recent c
 
 @dataclass
 class Decision:
+    """What the policy chose for one message, by which rule (`RULES`), and the figures it had."""
+
     layout: str
     compress: bool
-    reason: str
+    rule: str
     num_bytes: int
+    min_bytes: int
     bandwidth: float | None
     ratio: float
     compress_speed: float
     decompress_speed: float
     break_even_bandwidth: float
     probe: bool = False
+
+    @property
+    def reason(self) -> str:
+        """The rule in words, with the figures it weighed (built only when read: the policy decides every message)."""
+        figures = (f"ratio {self.ratio:.3f}, encode {_rate(self.compress_speed)}, decode "
+                   f"{_rate(self.decompress_speed)}, break-even {_rate(self.break_even_bandwidth)}")
+        return RULES[self.rule].format(self=self, link=_rate(self.bandwidth or 0.0), figures=figures)
+
+
+RULES = {
+    "off": "raw: compression is off for this link",
+    "small": "raw: {self.num_bytes} B is under the {self.min_bytes} B minimum worth compressing",
+    "forced": "compress: compression is forced on for this link",
+    "unknown": "compress: link bandwidth unknown, assuming a slow link ({figures})",
+    "slow": "compress: link {link} < break-even ({figures})",
+    "probe": "compress (probe to refresh estimates): link {link} >= break-even ({figures})",
+    "fast": "raw: link {link} >= break-even ({figures})",
+}
 
 
 class ByteCost:
@@ -221,7 +242,8 @@ class CompressionPolicy:
             self._last = d
             self._counts["compressed" if d.compress else "raw"] += 1
             self._counts["probes"] += d.probe
-        logger.debug("codec policy: %s", d.reason)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("codec policy: %s", d.reason)
         return d.layout
 
     def _decide(self, num_bytes: int) -> Decision:
@@ -231,37 +253,27 @@ class CompressionPolicy:
         r, c, dspeed = self.figures(num_bytes)
         b_star = message_break_even(r, c, dspeed, call_costs().both_s, num_bytes)
 
-        def decision(compress: bool, reason: str, probe: bool = False) -> Decision:
-            return Decision(
-                layout=self.layout if compress else "raw",
-                compress=compress,
-                reason=reason,
-                num_bytes=num_bytes,
-                bandwidth=bw,
-                ratio=r,
-                compress_speed=c,
-                decompress_speed=dspeed,
-                break_even_bandwidth=b_star,
-                probe=probe,
-            )
+        def decision(compress: bool, rule: str) -> Decision:
+            return Decision(layout=self.layout if compress else "raw", compress=compress, rule=rule,
+                            num_bytes=num_bytes, min_bytes=self.min_bytes, bandwidth=bw, ratio=r, compress_speed=c,
+                            decompress_speed=dspeed, break_even_bandwidth=b_star, probe=rule == "probe")
 
         if self.mode == "off":
-            return decision(False, "raw: compression is off for this link")
+            return decision(False, "off")
         if num_bytes < self.min_bytes:
-            return decision(False, f"raw: {num_bytes} B is under the {self.min_bytes} B minimum worth compressing")
+            return decision(False, "small")
         if self.mode == "on":
-            return decision(True, "compress: compression is forced on for this link")
-        figures = f"ratio {r:.3f}, encode {_rate(c)}, decode {_rate(dspeed)}, break-even {_rate(b_star)}"
+            return decision(True, "forced")
         if bw is None:
-            return decision(True, f"compress: link bandwidth unknown, assuming a slow link ({figures})")
+            return decision(True, "unknown")
         if bw < b_star:
             self._raw_streaks[key] = 0
-            return decision(True, f"compress: link {_rate(bw)} < break-even ({figures})")
+            return decision(True, "slow")
         self._raw_streaks[key] += 1
         if self.probe_every and self._raw_streaks[key] >= self.probe_every:
             self._raw_streaks[key] = 0
-            return decision(True, f"compress (probe to refresh estimates): link {_rate(bw)} >= break-even ({figures})", True)
-        return decision(False, f"raw: link {_rate(bw)} >= break-even ({figures})")
+            return decision(True, "probe")
+        return decision(False, "fast")
 
     # ------------------------------------------------------------------ observations
     def observe_encode(self, raw_bytes: int, encoded_bytes: int, seconds: float) -> None:
@@ -302,7 +314,7 @@ class CompressionPolicy:
             return {
                 "mode": self.mode,
                 "layout": self.layout,
-                "last": asdict(self._last) if self._last else None,
+                "last": {**asdict(self._last), "reason": self._last.reason} if self._last else None,
                 "bandwidth": self.bandwidth,
                 "estimates": {f"< {_size(1 << key)}": self._report(key, observations) for key in sorted(met)},
                 "counts": dict(self._counts),

@@ -254,7 +254,7 @@ def encode_tensors(tensors: dict[str, torch.Tensor] | None, policy: CompressionP
         size = tensor.numel() * tensor.element_size()
         raw_bytes += size
         if size > largest:
-            largest, layout = size, codec.inspect(frame, verify=False).layout
+            largest, layout = size, codec.frame_layout(frame)
     wire_bytes = sum(len(frame.buffer) for frame in frames)
     return EncodedTensors(frames, layout, raw_bytes, wire_bytes, time.perf_counter() - began)
 

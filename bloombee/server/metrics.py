@@ -30,9 +30,10 @@ class ServerMetrics:
                                buckets=ROWS_BUCKETS, registry=self.registry)
         self.step_seconds = Histogram("bloombee_server_step_seconds", "seconds one step takes through the hosted blocks",
                                       buckets=SECONDS_BUCKETS, registry=self.registry)
-        self.hop_bytes = Counter("bloombee_server_hop_bytes", "bytes of steps on the wire: in (from the client or the "
-                                 "previous server), out (to the next server or the client)", ["direction"],
-                                 registry=self.registry)
+        hop_bytes = Counter("bloombee_server_hop_bytes", "bytes of steps on the wire: in (from the client or the "
+                            "previous server), out (to the next server or the client)", ["direction"],
+                            registry=self.registry)
+        self.bytes_in, self.bytes_out = hop_bytes.labels("in"), hop_bytes.labels("out")  # looked up once: every step
         self.refusals = Counter("bloombee_server_refusals", "requests and steps refused, by reason (the error kind "
                                 "the client gets)", ["reason"], registry=self.registry)
 

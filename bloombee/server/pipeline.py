@@ -93,7 +93,7 @@ class DecodedStep:
 class ComputedStep:
     header: StepHeader
     sent_on: dict[str, torch.Tensor]
-    report: HopReport
+    report: dict  # HopReport's fields so far (the encode adds its own)
 
 
 class SessionPipeline:
@@ -173,7 +173,7 @@ class SessionPipeline:
                 await self.context.open_push(self.session, header.route[0], self.notify)
             began, decode_at = time.perf_counter(), time.time()
             num_bytes = sum(len(frame.buffer) for frame in item.tensors)
-            self.context.metrics.hop_bytes.labels("in").inc(num_bytes)
+            self.context.metrics.bytes_in.inc(num_bytes)
             _, tensors, cpu_s = await self.context.run_codec(num_bytes, unpack_timed, item,
                                                              self.context.max_request_bytes, STEP_TENSORS)
             step, compaction = parse_step(tensors, header.compact_start is not None)
@@ -240,10 +240,10 @@ class SessionPipeline:
         sent = sent_on.tensors()
         if header.route and decoded.compaction is not None:
             sent.update(decoded.compaction.tensors())
-        report = HopReport(peer_id=self.context.peer_id, decode_s=decoded.decode_s, decode_cpu_s=decoded.decode_cpu_s,
-                           compute_s=compute_s, compute_cpu_s=compute_cpu_s,
-                           batch_offset=header.batch_offset, decode_at=decoded.decode_at, compute_at=compute_at,
-                           duplicate=duplicate, nodes=sent_on.hidden.shape[0] if isinstance(sent_on, TreeStep) else 0)
+        report = dict(peer_id=self.context.peer_id, decode_s=decoded.decode_s, decode_cpu_s=decoded.decode_cpu_s,
+                      compute_s=compute_s, compute_cpu_s=compute_cpu_s,
+                      batch_offset=header.batch_offset, decode_at=decoded.decode_at, compute_at=compute_at,
+                      duplicate=duplicate, nodes=sent_on.hidden.shape[0] if isinstance(sent_on, TreeStep) else 0)
         return ComputedStep(header, sent, report)
 
     def _failed(self, header: StepHeader, error: Exception) -> None:
@@ -337,10 +337,10 @@ class SessionPipeline:
             await self._send(item)
 
     async def _send(self, step: ComputedStep) -> None:
-        header, report = step.header, step.report
+        header = step.header
         next_hop = header.route[0] if header.route else None
         if next_hop is None and not header.reply:
-            self.replies.put_nowait(self._ack(header, header.reports + (report,)))
+            self.replies.put_nowait(self._ack(header, header.reports + (_report(step.report),)))
             return
         context = self.context
         num_bytes = max(tensor.nbytes for tensor in step.sent_on.values())  # the hidden states
@@ -348,12 +348,13 @@ class SessionPipeline:
                   else context.reply_policy(self.session, header.reply_decode_speed, num_bytes))
         encode_at = time.time()
         encoded = await context.run_codec(num_bytes, encode_tensors, step.sent_on, policy)
-        report = report.model_copy(update=dict(layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
-                                               wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds))
+        report = _report(step.report, layout=encoded.layout, raw_bytes=encoded.raw_bytes, encode_at=encode_at,
+                         wire_bytes=encoded.wire_bytes, encode_s=encoded.seconds)
         reports = header.reports + (report,)
-        self.context.metrics.hop_bytes.labels("out").inc(encoded.wire_bytes)
+        self.context.metrics.bytes_out.inc(encoded.wire_bytes)
         if next_hop is None:
-            reply = OutputMessage(step_id=header.step_id, batch_offset=header.batch_offset, reports=reports)
+            reply = OutputMessage.model_construct(step_id=header.step_id, batch_offset=header.batch_offset,
+                                                  reports=reports)
             self.replies.put_nowait(envelope(reply, encoded.frames))
             return
         failure = await context.push(self.session, header.model_copy(update={"reports": reports}), encoded, self.notify)
@@ -361,5 +362,10 @@ class SessionPipeline:
 
     @staticmethod
     def _ack(header: StepHeader, reports: tuple[HopReport, ...]) -> Envelope:
-        return pack(AckMessage(step_id=header.step_id, batch_offset=header.batch_offset, reports=reports))
+        return pack(AckMessage.model_construct(step_id=header.step_id, batch_offset=header.batch_offset, reports=reports))
+
+
+def _report(fields: dict, **encoded) -> HopReport:
+    """This server's report of a step, from values it made itself (so not validated again: a step's hot path)."""
+    return HopReport.model_construct(**fields, **encoded)
 
