@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.netbench.models import resolve
+from bloombee.cli.common import freeze_startup_heap
 from bloombee.client import AutoDistributedModel, RequestRejected
 from bloombee.client.routing import span_figures
 from bloombee.dht.records import ServerRecord
@@ -144,8 +145,10 @@ def blocks_of(index: int, servers: int, num_blocks: int) -> str:
 
 
 def run_client(model, ks: list[int], vocab_size: int, label: dict, repeats: int) -> list[dict]:
-    """A warm-up session, then each K: the rows, printed as they come."""
+    """A warm-up session, then each K: the rows, printed as they come. This one process runs every session, so a
+    full garbage collection of its start-up heap would stall all K at once: it is frozen, as servers freeze theirs."""
     run_sessions(model, [torch.tensor([[3] * PROMPT])], concurrent=False)
+    freeze_startup_heap()
     rows = []
     for k in ks:
         rows.append({**label, **run_k(model, vocab_size, k, repeats)})

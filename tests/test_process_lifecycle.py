@@ -12,6 +12,7 @@ import pytest
 import torch
 from hivemind.p2p import P2PDaemonError
 
+from bloombee.cli.common import freeze_startup_heap
 from bloombee.client import AutoDistributedModel
 from bloombee.dht.lifecycle import children, descendants, is_running
 from bloombee.dht.records import ServerState, fetch_records
@@ -134,3 +135,16 @@ def test_a_model_that_cannot_connect_leaves_no_process(swarm):
         AutoDistributedModel.from_pretrained(MODEL, initial_peers=[dead_peer], connect_timeout=3.0)
     assert time.monotonic() - began < 3.0 + ENDS_WITHIN
     assert wait_gone(list(set(children(os.getpid())) - before)) == []
+
+
+def test_a_frozen_start_up_heap_stays_out_of_full_collections():
+    """What a server (or bloombee-api) has loaded when it starts serving is frozen: a full collection then scans only
+    the objects made after it."""
+    gc.collect()
+    loaded = len(gc.get_objects())
+    freeze_startup_heap()
+    try:
+        assert gc.get_freeze_count() >= loaded
+        assert len(gc.get_objects()) < loaded // 100
+    finally:
+        gc.unfreeze()

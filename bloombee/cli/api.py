@@ -12,6 +12,7 @@ from bloombee.cli.common import (
     add_peer_flags,
     add_settings_flags,
     check_initial_peers,
+    freeze_startup_heap,
     log_level,
     parse_args,
     run_main,
@@ -58,6 +59,7 @@ def serve(args: argparse.Namespace) -> None:
             engine.metrics.serve(settings.metrics_host, settings.metrics_port)
             print(f"Metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics", flush=True)
         print(f"Serving {args.model} on http://{settings.host}:{settings.port}/v1 (swarm status: /status)", flush=True)
+        freeze_startup_heap()
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level(args), access_log=False)
 
 

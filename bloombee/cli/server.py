@@ -13,6 +13,7 @@ from bloombee.cli.common import (
     add_peer_flags,
     add_settings_flags,
     check_initial_peers,
+    freeze_startup_heap,
     log_level,
     parse_args,
     positive_int,
@@ -186,6 +187,7 @@ def serve(args: argparse.Namespace, settings: ServerSettings, dht, planned: tupl
                     profile=not args.no_profile, profile_path=args.profile, planned=schedule,
                     planned_offload=alpha, quant_type=quant)
     stop_if_signalled()
+    freeze_startup_heap()
     asyncio.run(server.run())
 
 
