@@ -50,7 +50,7 @@ def one_session(model, prompt: torch.Tensor, out: dict) -> None:
     """Prefill, then NEW_TOKENS - 1 decode steps, timed; `out` gets the tokens and step times, or the refusal."""
     try:
         with model.remote.inference_session(max_length=PROMPT + NEW_TOKENS) as session:
-            token = model.head.logits(session.step(model.head.embed(prompt)))[:, -1:].argmax(-1)
+            token = model.head.logits(session.step(model.head.embed(prompt))[:, -1:]).argmax(-1)
             tokens, steps = [token], []
             for _ in range(NEW_TOKENS - 1):
                 began = time.perf_counter()

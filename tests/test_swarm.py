@@ -91,6 +91,18 @@ def test_stateless_forward_matches_local_logits(model, ref):
     assert torch.allclose(ours, theirs, atol=1e-5)
 
 
+def test_logits_to_keep_computes_the_last_positions_alone(model, ref):
+    """What transformers' generate() asks for (1 at a prompt): the LM head computes only the positions kept."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = ref(ids).logits
+        assert torch.allclose(model(ids, logits_to_keep=3).logits, expected[:, -3:], atol=1e-5)
+        with model.inference_session(max_length=16):
+            kept = model(ids, logits_to_keep=1).logits
+    assert kept.shape == (1, 1, model.config.vocab_size)
+    assert torch.allclose(kept, expected[:, -1:], atol=1e-5)
+
+
 def test_session_longer_than_server_limit_is_refused(model):
     with pytest.raises(RequestRejected, match="max_length 200 is over this server's limit of 96"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=197, do_sample=False)

@@ -201,17 +201,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         active.pending_ids = sequences[:, -1:]
         return output
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                                      logits_to_keep: int = 0, **kwargs):
         """The full ids each step: forward() sends only the tokens the session has not seen."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep}
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+                labels: torch.LongTensor | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         """Logits of `input_ids` (in the active session: of the ids it has not seen), and with `labels` the causal LM
-        loss over them, as transformers computes it; differentiable through the swarm outside a session."""
+        loss over them, as transformers computes it; differentiable through the swarm outside a session. With
+        `logits_to_keep` k > 0, of the last k positions only (transformers' generate() asks for 1: a long prompt's
+        other positions would cost the client their share of the LM head for nothing)."""
         active = self._active.get()
         if active is None:
-            logits = self._stateless_logits(input_ids, attention_mask)
+            logits = self._stateless_logits(input_ids, attention_mask, logits_to_keep)
             loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
                                                                   vocab_size=self.config.vocab_size)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
@@ -231,16 +234,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             prefix = self.prompt_tuning.pre_seq_len
         hidden = active.session.step(embeds, token_mask)[:, prefix:]
         active.base += prefix
-        return CausalLMOutputWithPast(logits=self.head.logits(hidden.to(self.head_dtype)))
+        return CausalLMOutputWithPast(logits=self.head.logits(hidden[:, -logits_to_keep:].to(self.head_dtype)))  # -0: all
 
-    def _stateless_logits(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Logits of whole sequences through the swarm without a session, after the tuned prompts if any."""
+    def _stateless_logits(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
+                          logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits of whole sequences (of their last `logits_to_keep` positions where that is above 0) through the
+        swarm without a session, after the tuned prompts if any."""
         embeds = self.head.embed(input_ids)
         if self.prompt_tuning is None:
-            return self.head.logits(self.remote.forward(embeds, attention_mask))
+            return self.head.logits(self.remote.forward(embeds, attention_mask)[:, -logits_to_keep:])
         embeds, attention_mask = self.prompt_tuning.prepend(embeds, attention_mask)
         hidden = self.remote.forward(embeds, attention_mask, self.prompt_tuning.deep_prompts(len(input_ids)))
-        return self.head.logits(hidden[:, self.prompt_tuning.pre_seq_len:])
+        return self.head.logits(hidden[:, self.prompt_tuning.pre_seq_len:][:, -logits_to_keep:])
 
     @property
     def head_dtype(self) -> torch.dtype:
