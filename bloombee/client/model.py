@@ -234,7 +234,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             prefix = self.prompt_tuning.pre_seq_len
         hidden = active.session.step(embeds, token_mask)[:, prefix:]
         active.base += prefix
-        return CausalLMOutputWithPast(logits=self.head.logits(hidden[:, -logits_to_keep:].to(self.head_dtype)))  # -0: all
+        hidden = _last_positions(hidden, logits_to_keep)
+        return CausalLMOutputWithPast(logits=self.head.logits(hidden.to(self.head_dtype)))
 
     def _stateless_logits(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
                           logits_to_keep: int = 0) -> torch.Tensor:
@@ -242,14 +243,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         swarm without a session, after the tuned prompts if any."""
         embeds = self.head.embed(input_ids)
         if self.prompt_tuning is None:
-            return self.head.logits(self.remote.forward(embeds, attention_mask)[:, -logits_to_keep:])
+            return self.head.logits(_last_positions(self.remote.forward(embeds, attention_mask), logits_to_keep))
         embeds, attention_mask = self.prompt_tuning.prepend(embeds, attention_mask)
         hidden = self.remote.forward(embeds, attention_mask, self.prompt_tuning.deep_prompts(len(input_ids)))
-        return self.head.logits(hidden[:, self.prompt_tuning.pre_seq_len:][:, -logits_to_keep:])
+        return self.head.logits(_last_positions(hidden[:, self.prompt_tuning.pre_seq_len:], logits_to_keep))
 
     @property
     def head_dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
+
+
+def _last_positions(hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """Positions [batch, T, ...] of `hidden` the logits are asked for: the last `logits_to_keep`, or all for 0 (as
+    transformers reads it)."""
+    return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
 
 
 def continued_rows(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor | None:

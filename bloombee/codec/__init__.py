@@ -13,10 +13,9 @@ layout = policy.choose(num_bytes)                   # "raw" or "auto" by the bre
 """
 
 from .calls import CallCosts, call_costs
-from .core import (DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, frame_layout,
-                   inspect)
+from .core import DEFAULT_LEVEL, DEFAULT_MAX_BYTES, FrameInfo, auto_candidates, decode, encode, inspect
 from .entropy import byte_entropy
-from .frame import CODEC_VERSION, LAYOUTS, CodecError
+from .frame import CODEC_VERSION, LAYOUTS, CodecError, frame_layout
 from .policy import CompressionPolicy
 from .threads import run_codec
 

@@ -34,7 +34,6 @@ from .frame import (
     DTYPE_IDS,
     LANE_RAW,
     LANE_ZSTD,
-    LAYOUT_NAMES,
     LAYOUTS,
     WHOLE_TENSOR_LAYOUTS,
     CodecError,
@@ -369,12 +368,6 @@ def _interleave(words: np.ndarray, lanes: list[np.ndarray]) -> None:
     u8 = words.view(np.uint8).reshape(words.size, words.itemsize)
     for k, lane in enumerate(lanes):
         u8[:, k] = lane
-
-
-def frame_layout(frame: bytes) -> str:
-    """The layout of a frame `encode` made: its header's layout byte, unchecked (`inspect` checks a frame from
-    elsewhere)."""
-    return LAYOUT_NAMES[frame[3]]
 
 
 def inspect(data, *, verify: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> FrameInfo:

@@ -65,6 +65,7 @@ LANE_RAW = 0
 LANE_ZSTD = 1
 
 _FIXED = struct.Struct("<2sBBBBB")  # magic, version, layout, dtype, ndim, lane modes
+_FIXED_LAYOUT = 3  # the layout byte's offset
 _CHECKSUM = struct.Struct("<I")
 FIXED_SIZE = _FIXED.size  # 7
 MIN_FRAME = FIXED_SIZE + _CHECKSUM.size
@@ -169,6 +170,12 @@ def _check_size(shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int) -> N
             f"Codec frame declares a tensor of shape {list(shape)} ({dtype}), larger than the "
             f"{max_bytes}-byte decode limit; raise max_bytes if this tensor is expected."
         )
+
+
+def frame_layout(frame: bytes) -> str:
+    """The layout of a frame this process encoded: its header's layout byte, unchecked (`parse_header` checks a frame
+    from elsewhere)."""
+    return LAYOUT_NAMES[frame[_FIXED_LAYOUT]]
 
 
 def parse_header(mv: memoryview, max_bytes: int, verify_checksum: bool = True) -> Header:

@@ -60,7 +60,11 @@ class Decision:
     compress_speed: float
     decompress_speed: float
     break_even_bandwidth: float
-    probe: bool = False
+
+    @property
+    def probe(self) -> bool:
+        """A message compressed only to refresh the estimates."""
+        return self.rule == "probe"
 
     @property
     def reason(self) -> str:
@@ -256,7 +260,7 @@ class CompressionPolicy:
         def decision(compress: bool, rule: str) -> Decision:
             return Decision(layout=self.layout if compress else "raw", compress=compress, rule=rule,
                             num_bytes=num_bytes, min_bytes=self.min_bytes, bandwidth=bw, ratio=r, compress_speed=c,
-                            decompress_speed=dspeed, break_even_bandwidth=b_star, probe=rule == "probe")
+                            decompress_speed=dspeed, break_even_bandwidth=b_star)
 
         if self.mode == "off":
             return decision(False, "off")
@@ -314,7 +318,8 @@ class CompressionPolicy:
             return {
                 "mode": self.mode,
                 "layout": self.layout,
-                "last": {**asdict(self._last), "reason": self._last.reason} if self._last else None,
+                "last": ({**asdict(self._last), "probe": self._last.probe, "reason": self._last.reason}
+                         if self._last else None),
                 "bandwidth": self.bandwidth,
                 "estimates": {f"< {_size(1 << key)}": self._report(key, observations) for key in sorted(met)},
                 "counts": dict(self._counts),

@@ -189,15 +189,12 @@ class BlockBackend:
         rows = slice(batch_offset, batch_offset + batch)
         session.token_mask[rows, start_position:end_position] = True if token_mask is None else token_mask.to(torch.bool)
         key_padding = session.token_mask[rows, :end_position].to(self.device)
-        if rope_positions is None and num_tokens == 1 and token_mask is None:  # its real slots before it
-            rope_positions = key_padding.sum(-1, keepdim=True) - 1
-        elif rope_positions is None:
-            rope_positions = rope_positions_from_padding(key_padding)[:, start_position:end_position]
+        decode = num_tokens == 1 and token_mask is None  # its slot is real and last: it attends every real slot
+        if rope_positions is None:
+            rope_positions = (key_padding.sum(-1, keepdim=True) - 1 if decode
+                              else rope_positions_from_padding(key_padding)[:, start_position:end_position])
         cache_positions = torch.arange(start_position, end_position, device=self.device)
-        if num_tokens == 1 and token_mask is None:  # a decode step: it attends every real slot up to its own
-            mask = key_padding[:, None]
-        else:
-            mask = causal_mask(cache_positions, end_position, key_padding)
+        mask = key_padding[:, None] if decode else causal_mask(cache_positions, end_position, key_padding)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
             session.output_history[rows, start_position:end_position] = out.to(session.output_history.device)
