@@ -2,14 +2,14 @@
 
 For each topology (one server holding every block, two servers of half the blocks each, ...: `--servers`; one torch
 thread each) and for batching on (the default) and off (`--max-batch-rows 1`: each step computed alone), one client
-process runs K sessions in threads, each a 16-token prompt and 32 greedy tokens step by step. Per K: the aggregate
-tokens/s of the K sessions at once, and of the same K sessions one after another (the baseline a server that computes
-one session's step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions admitted, and how
-many sessions gave exactly the tokens of their solo run. The two runs alternate `--repeats` times (3), as this
-machine's speed drifts from one second to the next: a row gives the median of the paired ratios and their range. And
-per server, while the K sessions last ran at once: its steps per forward, its mean forward's time, and what the model
-of the chain (`planner.chain.SpanFigures`, from the server's announced figures) predicts for a forward of that many
-steps.
+process runs K sessions in threads, each a 16-token prompt and 32 greedy tokens (`--new-tokens`) step by step. Per K:
+the aggregate tokens/s of the K sessions at once, and of the same K sessions one after another (the baseline a server
+that computes one session's step at a time approaches), the ratio, p50/p99 of the decode-step latency, sessions
+admitted, and how many sessions gave exactly the tokens of their solo run. The two runs alternate `--repeats` times (3),
+as this machine's speed drifts from one second to the next: a row gives the median of the paired ratios and their range.
+And per server, while the K sessions last ran at once: its steps per forward, its mean forward's time, and what the
+model of the chain (`planner.chain.SpanFigures`, from the server's announced figures) predicts for a forward of that
+many steps.
 
     python -m benchmarks.load_bench --ks 1 2 4 8 16 32
 
@@ -41,18 +41,18 @@ from bloombee.loading import dht_prefix, load_model_config, resolve_model
 from bloombee.local_swarm import LocalSwarm
 
 RESULTS = Path(__file__).parent / "results"
-PROMPT, NEW_TOKENS = 16, 32
+PROMPT, NEW_TOKENS = 16, 32  # a session's prompt and generated tokens (--new-tokens)
 BATCHING = {"on": (), "off": ("--max-batch-rows", "1")}
 
 
 @torch.inference_mode()
-def one_session(model, prompt: torch.Tensor, out: dict) -> None:
-    """Prefill, then NEW_TOKENS - 1 decode steps, timed; `out` gets the tokens and step times, or the refusal."""
+def one_session(model, prompt: torch.Tensor, out: dict, new_tokens: int) -> None:
+    """Prefill, then new_tokens - 1 decode steps, timed; `out` gets the tokens and step times, or the refusal."""
     try:
-        with model.remote.inference_session(max_length=PROMPT + NEW_TOKENS) as session:
+        with model.remote.inference_session(max_length=prompt.shape[1] + new_tokens) as session:
             token = model.head.logits(session.step(model.head.embed(prompt))[:, -1:]).argmax(-1)
             tokens, steps = [token], []
-            for _ in range(NEW_TOKENS - 1):
+            for _ in range(new_tokens - 1):
                 began = time.perf_counter()
                 token = model.head.logits(session.step(model.head.embed(token)))[:, -1:].argmax(-1)
                 steps.append(time.perf_counter() - began)
@@ -75,14 +75,15 @@ def in_threads(calls: list, concurrent: bool) -> float:
     return time.perf_counter() - began
 
 
-def run_sessions(model, prompts: list[torch.Tensor], concurrent: bool) -> tuple[list[dict], float]:
+def run_sessions(model, prompts: list[torch.Tensor], concurrent: bool, new_tokens: int) -> tuple[list[dict], float]:
     """The sessions of `prompts` in threads, all at once or one after another; their outcomes and the wall time."""
     outs = [{} for _ in prompts]
-    calls = [lambda prompt=prompt, out=out: one_session(model, prompt, out) for prompt, out in zip(prompts, outs)]
+    calls = [lambda prompt=prompt, out=out: one_session(model, prompt, out, new_tokens)
+             for prompt, out in zip(prompts, outs)]
     return outs, in_threads(calls, concurrent)
 
 
-def run_k(model, vocab_size: int, k: int, repeats: int) -> dict:
+def run_k(model, vocab_size: int, k: int, repeats: int, new_tokens: int) -> dict:
     """K sessions one after another, then all at once, `repeats` times in turn (this machine's speed drifts over
     seconds, so each ratio pairs two runs a moment apart): medians and the range of the pairs' ratios, step latencies
     over every concurrent run, sessions exact against their solo run in every repeat; forwards of the last repeat."""
@@ -90,9 +91,9 @@ def run_k(model, vocab_size: int, k: int, repeats: int) -> dict:
     prompts = [torch.randint(3, vocab_size, (1, PROMPT), generator=generator) for _ in range(k)]
     pairs, exact, steps, solo_steps, refusals = [], [True] * k, [], [], set()
     for _ in range(repeats):
-        alone, alone_wall = run_sessions(model, prompts, concurrent=False)
+        alone, alone_wall = run_sessions(model, prompts, False, new_tokens)
         before = forward_totals(model)
-        outs, wall = run_sessions(model, prompts, concurrent=True)
+        outs, wall = run_sessions(model, prompts, True, new_tokens)
         forwards = forwards_against_model(model, before, forward_totals(model))
         done = [index for index, (out, solo) in enumerate(zip(outs, alone)) if "tokens" in out and "tokens" in solo]
         for index in range(k):
@@ -100,7 +101,7 @@ def run_k(model, vocab_size: int, k: int, repeats: int) -> dict:
         steps += [step for index in done for step in outs[index]["steps"]]
         solo_steps += [step for solo in alone if "steps" in solo for step in solo["steps"]]
         refusals |= {out["refused"].split(": ", 1)[1][:120] for out in outs if "refused" in out}
-        pairs.append((len(done), len(done) * NEW_TOKENS / wall, len(done) * NEW_TOKENS / alone_wall))
+        pairs.append((len(done), len(done) * new_tokens / wall, len(done) * new_tokens / alone_wall))
     steps.sort()
     ratios = sorted(concurrent / one_at_a_time for _, concurrent, one_at_a_time in pairs)
     admitted = min(count for count, _, _ in pairs)
@@ -144,19 +145,20 @@ def blocks_of(index: int, servers: int, num_blocks: int) -> str:
     return f"{index * num_blocks // servers}:{(index + 1) * num_blocks // servers}"
 
 
-def run_client(model, ks: list[int], vocab_size: int, label: dict, repeats: int) -> list[dict]:
+def run_client(model, ks: list[int], vocab_size: int, label: dict, repeats: int, new_tokens: int) -> list[dict]:
     """A warm-up session, then each K: the rows, printed as they come. This one process runs every session, so a
     full garbage collection of its start-up heap would stall all K at once: it is frozen, as servers freeze theirs."""
-    run_sessions(model, [torch.tensor([[3] * PROMPT])], concurrent=False)
+    run_sessions(model, [torch.tensor([[3] * PROMPT])], False, new_tokens)
     freeze_startup_heap()
     rows = []
     for k in ks:
-        rows.append({**label, **run_k(model, vocab_size, k, repeats)})
+        rows.append({**label, **run_k(model, vocab_size, k, repeats, new_tokens)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str | None, repeats: int) -> list[dict]:
+def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str | None, repeats: int,
+              new_tokens: int) -> list[dict]:
     """The rows of `servers` servers on loopback splitting the model's blocks evenly, batching on or off."""
     config = load_model_config(path)
     n = config.num_hidden_layers
@@ -166,7 +168,7 @@ def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str 
         with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
             label = {"topology": topology_name(servers), "batching": batching}
-            return run_client(model, ks, config.vocab_size, label, repeats)
+            return run_client(model, ks, config.vocab_size, label, repeats, new_tokens)
 
 
 def topology_name(servers: int) -> str:
@@ -174,7 +176,7 @@ def topology_name(servers: int) -> str:
 
 
 def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env_name: str, logs: Path,
-                     repeats: int) -> list[dict]:
+                     repeats: int, new_tokens: int) -> list[dict]:
     """The same in netbench's namespaces shaped as `env_name`: servers s0, s1, ..., the client's part of this script
     in the namespace `client`, its rows read from its output."""
     from benchmarks.netbench import netns, presets
@@ -193,7 +195,8 @@ def run_shaped_swarm(path: Path, servers: int, batching: str, ks: list[int], env
                                    list(BATCHING[batching]), "auto", link, threads=1)
             argv = [sys.executable, "-m", "benchmarks.load_bench", "--client-in", topology.ips["client"], "--model",
                     str(path), "--ks", *map(str, ks), "--servers", str(servers), "--batching", batching,
-                    "--env", env_name, "--repeats", str(repeats), "--initial-peers", *swarm.initial_peers]
+                    "--env", env_name, "--repeats", str(repeats), "--new-tokens", str(new_tokens),
+                    "--initial-peers", *swarm.initial_peers]
             rows = client_rows(topology, argv)
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -213,7 +216,7 @@ def client_in_namespace(args: argparse.Namespace) -> None:
     with AutoDistributedModel.from_pretrained(str(path), dht=dht, link_bandwidth_mbps=link) as model:
         wait_for_servers(model, args.servers[0])
         label = {"topology": topology_name(args.servers[0]), "batching": args.batching, "env": args.env}
-        run_client(model, args.ks, load_model_config(path).vocab_size, label, args.repeats)
+        run_client(model, args.ks, load_model_config(path).vocab_size, label, args.repeats, args.new_tokens)
     dht.shutdown()
 
 
@@ -223,6 +226,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="chains compared, by server count")
     parser.add_argument("--repeats", type=int, default=3, help="one-at-a-time and concurrent runs per K, in turn")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="greedy tokens each session generates")
     parser.add_argument("--env", default=None, help="a netbench environment (E1..E6, as root): shaped namespaces")
     parser.add_argument("--output", default=str(RESULTS / "load.json"))
     parser.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temporary one)")
@@ -236,10 +240,11 @@ def main() -> None:
         return
     model = resolve_model(resolve(args.model)[0])
     logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-"))
+    workload = (args.repeats, args.new_tokens)
     rows = [row for servers in args.servers for batching in BATCHING
-            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, args.repeats)
-                        if args.env else run_swarm(model, servers, batching, args.ks, args.logs, args.repeats))]
-    results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": NEW_TOKENS,
+            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, *workload)
+                        if args.env else run_swarm(model, servers, batching, args.ks, args.logs, *workload))]
+    results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": args.new_tokens,
                "repeats": args.repeats, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
