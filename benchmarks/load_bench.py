@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--batching", default="on", help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens must be at least 2 (a prompt step and a decode step), not {args.new_tokens}")
     torch.set_num_threads(1)
     if args.client_in:
         client_in_namespace(args)
