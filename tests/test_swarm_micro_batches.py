@@ -120,8 +120,10 @@ def resend_last_row(model, session, row, start):
 
 
 def test_a_stopped_next_server_holds_the_sender_within_its_push_buffer(swarm):
-    """SIGSTOP of the last server (with its p2p daemon): the middle one stops at its buffer; the step completes."""
-    model = client(swarm, micro_batches=8, allowed_servers=THREE, request_timeout=60.0)
+    """SIGSTOP of the last server (with its p2p daemon): the middle one stops at its buffer; the step completes. The
+    client's step deadline is set far past the 4 s stop: by default it may be 4 s, and the client would then take the
+    stopped server for a failed one (the deadline's own tests are in test_swarm_faults.py)."""
+    model = client(swarm, micro_batches=8, allowed_servers=THREE, request_timeout=60.0, step_timeout_min=30.0)
     hidden = torch.randn(32, 600, 64)  # 0.6 MB per micro-batch, 4.9 MB per hop: more than socket and p2p buffers hold
     last = swarm.server("c").process
     with model.remote.inference_session(max_length=640, batch_size=32) as warm:
