@@ -242,10 +242,13 @@ def main() -> None:
         return
     model = resolve_model(resolve(args.model)[0])
     logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-"))
-    workload = (args.repeats, args.new_tokens)
-    rows = [row for servers in args.servers for batching in BATCHING
-            for row in (run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, *workload)
-                        if args.env else run_swarm(model, servers, batching, args.ks, args.logs, *workload))]
+
+    def swarm_rows(servers: int, batching: str) -> list[dict]:
+        if args.env:
+            return run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, args.repeats, args.new_tokens)
+        return run_swarm(model, servers, batching, args.ks, args.logs, args.repeats, args.new_tokens)
+
+    rows = [row for servers in args.servers for batching in BATCHING for row in swarm_rows(servers, batching)]
     results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": args.new_tokens,
                "repeats": args.repeats, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
