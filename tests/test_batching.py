@@ -92,8 +92,9 @@ def test_a_tree_steps_nodes_get_the_bits_of_the_same_tokens_decoded_one_at_a_tim
 def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows():
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
     cpu = torch.device("cpu")
-    floor = row_floor(stack, torch.float32, cpu)
-    assert make_batch_invariant(stack, torch.float32, cpu, floor) and chunk_sizes(10, floor) == [8, max(floor, 2)]
+    floor = row_floor(stack, torch.float32, cpu)  # 4 on some x86 CPUs here, 16 on others: measured, not assumed
+    assert make_batch_invariant(stack, torch.float32, cpu, floor)
+    assert sum(chunk_sizes(10, floor)) >= 10 and min(chunk_sizes(10, floor)) >= floor
     assert chunk_sizes(1100, 4) == [512, 512, 64, 8, 4] and chunk_sizes(3, 1) == [4] and chunk_sizes(6, 1) == [8]
     layer = stack.blocks[0].mlp.down_proj
     inputs = torch.randn(700, layer.in_features, generator=torch.Generator().manual_seed(1))
@@ -146,11 +147,11 @@ def test_a_mixtures_rows_get_the_same_bits_among_any_number_of_rows(variant, tin
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bits_alone(dtype):
-    """One-token steps whose keys span one, two and four granules attend as one batch (core.packing.DecodeBatch),
-    each over keys padded to the longest, and get the bits each gets alone; in float32 the batch kernel agrees with
-    scaled_dot_product_attention over each step's own keys."""
+    """One-token steps whose keys span one, two and four granules get the bits each gets alone when they share a
+    forward: attended as one batch (core.packing.DecodeBatch), each over keys padded to the longest, where the
+    start-up probe found that padding leaves a row's bits alone on this CPU, else one session at a time. In float32
+    the batch kernel agrees with scaled_dot_product_attention over each step's own keys, whatever the probe found."""
     backend = backend_of(dtype)
-    assert backend.stack.batch_decode  # the probe found padded attention invariant here
     lengths = (5, 70, 200)
 
     def decode_steps(name: str) -> list:
@@ -168,10 +169,12 @@ def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bit
     together = backend.run(prepared)
     assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
     if dtype == torch.float32:
+        backend.stack.batch_decode = True  # the batch kernel, one step at a time
+        batched = [backend.run_one(prepare()) for prepare in decode_steps("batched")]
         backend.stack.batch_decode = False  # each step by scaled_dot_product_attention over its own keys
         apart = [backend.run_one(prepare()) for prepare in decode_steps("apart")]
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
-                   for a, b in zip(alone, apart, strict=True))
+                   for a, b in zip(batched, apart, strict=True))
 
 
 def test_a_forward_waits_for_the_sessions_that_took_turns_and_they_merge():
