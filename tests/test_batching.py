@@ -146,7 +146,7 @@ def test_a_mixtures_rows_get_the_same_bits_among_any_number_of_rows(variant, tin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_steps_of_far_apart_lengths_attend_as_one_batch_and_get_their_bits_alone(dtype):
+def test_decode_steps_of_far_apart_lengths_in_one_forward_get_their_bits_alone(dtype):
     """One-token steps whose keys span one, two and four granules get the bits each gets alone when they share a
     forward: attended as one batch (core.packing.DecodeBatch), each over keys padded to the longest, where the
     start-up probe found that padding leaves a row's bits alone on this CPU, else one session at a time. In float32
