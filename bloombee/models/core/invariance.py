@@ -1,19 +1,19 @@
 """Batch-invariant linear layers: a row's result does not depend on the rows one matmul computes with it.
 
-BLAS libraries choose how to split a matmul (kernels, tiles, threads), and with it the order in which a dot
-product adds up, by its number of rows. On one of this project's x86 CPUs (MKL and oneDNN, one or two threads) a
-float32 matmul of 1 row, of 2-3 rows and of 10 rows round a row differently, while matmuls of 4, 8, 16, ... 512 rows
-give a row the same bits wherever it sits among them; on another, only those from 16 rows do. So each process
-measures, for the linear layers it computes with, the smallest power-of-two row count from which every larger one up
-to MAX_CHUNK rounds alike (`row_floor`), and computes
-every matmul as chunks of such sizes, the last padded with zero rows (`chunk_linear_rows`): then a row comes out the
-same alone, in a micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Where no such
-size exists the mode cannot hold, and the caller says so. Two more things round a row by its company and are
-fixed the same way: an activation's exp or tanh rounds differently in a vectorised loop's scalar tail than in its
-body (so activations see rows padded to whole vector strides), and attention over a tree's 15 queries and its key
-layout adds up differently than one query's (so in the mode a tree's nodes are attended one at a time). And a
-decode step batched with longer ones attends keys padded further than alone: the mode probes that whole masked
-granules leave a row's bits alone (`padding_invariant_attention`), else decode steps attend one session at a time.
+BLAS libraries choose how to split a matmul (kernels, tiles, threads), and with it the order in which a dot product
+adds up, by its number of rows. On one of this project's x86 CPUs (MKL and oneDNN, one or two threads) a float32
+matmul of 1 row, of 2-3 rows and of 10 rows round a row differently, while matmuls of 4, 8, 16, ... 512 rows give a
+row the same bits wherever it sits among them; on another, only those from 16 rows do. So each process measures, for
+the linear layers it computes with, the smallest power-of-two row count from which every larger one up to MAX_CHUNK
+rounds alike (`row_floor`), and computes every matmul as chunks of such sizes, the last padded with zero rows
+(`chunk_linear_rows`): then a row comes out the same alone, in a micro-batch, in a speculative tree or in a forward
+shared with other sessions' steps. Where no such size exists the mode cannot hold, and the caller says so. Two more
+things round a row by its company and are fixed the same way: an activation's exp or tanh rounds differently in a
+vectorised loop's scalar tail than in its body (so activations see rows padded to whole vector strides), and
+attention over a tree's 15 queries and its key layout adds up differently than one query's (so in the mode a tree's
+nodes are attended one at a time). And a decode step batched with longer ones attends keys padded further than
+alone: the mode probes that whole masked granules leave a row's bits alone (`padding_invariant_attention`), else
+decode steps attend one session at a time.
 """
 
 from __future__ import annotations
