@@ -14,7 +14,7 @@ from bloombee.client.figures import ChainFigures
 from bloombee.client.loop import run_sync
 from bloombee.client.micro_batching import MicroBatchChooser
 from bloombee.client.routing import SequenceManager, Span
-from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream
+from bloombee.client.spans import RequestRejected, ServerFailed, SpanStream, announced_by_all
 from bloombee.client.failover import ChainRepair
 from bloombee.client.history import SessionHistory
 from bloombee.client.steps import StepShape, StepStats, join_trees, joined, split_rows
@@ -48,11 +48,6 @@ logger = logging.getLogger(__name__)
 
 
 PROBE_PERIOD = 0.5  # seconds between checks, while a step is late, that the chain's servers are still connected
-
-
-def announced_by_all(chain: Sequence[SpanStream], feature: Feature) -> bool:
-    """Whether every server of `chain` announces `feature`."""
-    return all(feature in stream.span.record.features for stream in chain)
 
 
 class InferenceSession(ChainRepair):

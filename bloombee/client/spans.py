@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import AsyncIterator
 
 import torch
@@ -80,3 +81,8 @@ class SpanStream:
         await self._outbox.put(None)
         if self._reader is not None:
             self._reader.cancel()
+
+
+def announced_by_all(chain: Sequence[SpanStream], feature: Feature) -> bool:
+    """Whether every server of `chain` announces `feature`."""
+    return all(feature in stream.span.record.features for stream in chain)
