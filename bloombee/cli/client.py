@@ -105,13 +105,13 @@ def generate(args: argparse.Namespace) -> None:
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    draft = model.settings_draft() if args.max_length is None else None  # --max-length: decode in a session that long
     streamer = PrintStreamer(tokenizer, input_ids.shape[1]) if args.stream else None
-    if args.stream and tokenizer is not None:
+    if args.stream and tokenizer is not None:  # everything is loaded: the prompt shows just before generating
         print(args.prompt if args.prompt else "", end="", flush=True)
     began = time.perf_counter()
     kwargs = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=getattr(tokenizer, "pad_token_id", None),
                   **sampling)
-    draft = model.settings_draft() if args.max_length is None else None  # --max-length: decode in a session that long
     if draft is not None:  # speculative generation opens its own session, as long as its trees need
         output = model.generate(input_ids, draft_model=draft, **kwargs)
         stats = model.last_speculation
