@@ -100,12 +100,12 @@ def status_lines(status: ModelStatus) -> list[str]:
     """The status as text for a terminal, one line per server."""
     lines = [f"{status.model} ({status.prefix}): {status.num_blocks} blocks, {len(status.servers)} servers, "
              + (f"full chain: {' -> '.join(status.chain)}" if status.full_chain else "NO full chain")]
-    lines.append(f"  {'server':14} {'blocks':>7}  {'state':8} {'block-steps/s':>13} {'weights':>15} {'free cache':>10} "
+    lines.append(f"  {'server':14} {'blocks':>7}  {'state':8} {'block-steps/s':>13} {'weights':>15} {'free cache tokens':>17} "
                  f"{'offload':>7} {'link':>10}  {'version':8} features")
     for server in status.servers:
         note = f"  [skipped: {server.problem}]" if server.problem else ""
         lines.append(f"  {server.label:14} {server.start_block:>3}:{server.end_block:<3}  {server.state:8} "
-                     f"{server.throughput:13.1f} {server.weights_text:>15} {server.cache_tokens_left:10d} {server.offload:7.2f} {server.link_mbps:6.0f} Mb/s  "
+                     f"{server.throughput:13.1f} {server.weights_text:>15} {server.cache_tokens_left:17d} {server.offload:7.2f} {server.link_mbps:6.0f} Mb/s  "
                      f"{server.version:8} {','.join(server.features)}{note}")
     lines.append("  servers per block: " + " ".join(map(str, status.servers_per_block())))
     if status.uncovered:
