@@ -22,6 +22,7 @@ namespaces, every uplink shaped as the environment says; by default everything i
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -158,13 +159,14 @@ def run_client(model, ks: list[int], vocab_size: int, label: dict, repeats: int,
 
 
 def run_swarm(path: Path, servers: int, batching: str, ks: list[int], logs: str | None, repeats: int,
-              new_tokens: int) -> list[dict]:
-    """The rows of `servers` servers on loopback splitting the model's blocks evenly, batching on or off."""
+              new_tokens: int, server_flags: list[str]) -> list[dict]:
+    """The rows of `servers` servers on loopback splitting the model's blocks evenly, batching on or off, each server
+    started with `server_flags` besides."""
     config = load_model_config(path)
     n = config.num_hidden_layers
     with LocalSwarm(str(path), n, dht_prefix(path), log_dir=logs) as swarm:
         for index in range(servers):
-            swarm.add_server("--blocks", blocks_of(index, servers, n), *BATCHING[batching])
+            swarm.add_server("--blocks", blocks_of(index, servers, n), *BATCHING[batching], *server_flags)
         with AutoDistributedModel.from_pretrained(str(path), initial_peers=swarm.initial_peers) as model:
             model.remote.manager.update(force=True)
             label = {"topology": topology_name(servers), "batching": batching}
@@ -230,12 +232,17 @@ def main() -> None:
     parser.add_argument("--env", default=None, help="a netbench environment (E1..E6, as root): shaped namespaces")
     parser.add_argument("--output", default=str(RESULTS / "load.json"))
     parser.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temporary one)")
+    parser.add_argument("--server-flags", default="", help="more bloombee-server flags for every server on loopback, "
+                        "e.g. \"--device cuda --quant-type none\" (default: none)")
     parser.add_argument("--client-in", default=None, help=argparse.SUPPRESS)  # the client's part, at this address
     parser.add_argument("--batching", default="on", help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error(f"--new-tokens must be at least 2 (a prompt step and a decode step), not {args.new_tokens}")
+    server_flags = shlex.split(args.server_flags)
+    if server_flags and args.env:
+        parser.error("--server-flags is for servers on loopback; netbench's --env starts its servers itself")
     torch.set_num_threads(1)
     if args.client_in:
         client_in_namespace(args)
@@ -246,11 +253,11 @@ def main() -> None:
     def swarm_rows(servers: int, batching: str) -> list[dict]:
         if args.env:
             return run_shaped_swarm(model, servers, batching, args.ks, args.env, logs, args.repeats, args.new_tokens)
-        return run_swarm(model, servers, batching, args.ks, args.logs, args.repeats, args.new_tokens)
+        return run_swarm(model, servers, batching, args.ks, args.logs, args.repeats, args.new_tokens, server_flags)
 
     rows = [row for servers in args.servers for batching in BATCHING for row in swarm_rows(servers, batching)]
-    results = {"model": args.model, "env": args.env or "loopback", "prompt": PROMPT, "new_tokens": args.new_tokens,
-               "repeats": args.repeats, "rows": rows}
+    results = {"model": args.model, "env": args.env or "loopback", "server_flags": server_flags, "prompt": PROMPT,
+               "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
     plot(results, Path(args.output).with_suffix(".png"))
