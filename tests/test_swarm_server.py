@@ -65,6 +65,19 @@ def test_client_cli_generates_and_summarises(swarm):
     assert re.search(r"\[6 tokens in [\d.]+ s, [\d.]+ tokens/s, servers: first\[0:4\] -> second\[4:8\]\]", result.stderr)
 
 
+def test_client_cli_beam_search_prints_transformers_best_beam(swarm):
+    ids = [3, 1, 4, 1, 5]
+    result = subprocess.run(
+        [sys.executable, "-m", "bloombee.cli.client", "generate", "--model", swarm.model, "--input-ids", ",".join(map(str, ids)),
+         "--max-new-tokens", "6", "--num-beams", "3", "--dtype", "float32", "--initial-peers", *swarm.initial_peers],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    expected = reference(swarm.model).generate(torch.tensor([ids]), max_new_tokens=6, num_beams=3, do_sample=False)[0]
+    greedy = reference(swarm.model).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0]
+    assert result.stdout.split() == [str(token) for token in expected.tolist()]  # printed once done: prompt and all
+    assert not torch.equal(expected, greedy)  # the test would not tell beam search from greedy otherwise
+
+
 def test_client_cli_info_lists_servers(swarm):
     result = subprocess.run([sys.executable, "-m", "bloombee.cli.client", "info", "--model", swarm.model,
                              "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=300)

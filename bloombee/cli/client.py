@@ -105,26 +105,28 @@ def generate(args: argparse.Namespace) -> None:
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    draft = model.settings_draft() if args.max_length is None else None  # --max-length: decode in a session that long
-    streamer = PrintStreamer(tokenizer, input_ids.shape[1]) if args.stream else None
-    if args.stream and tokenizer is not None:  # everything is loaded: the prompt shows just before generating
+    beams = args.num_beams > 1  # transformers streams no beam search, and speculative rounds follow one hypothesis
+    draft = model.settings_draft() if args.max_length is None and not beams else None  # --max-length: its own session
+    stream = args.stream and not beams
+    streamer = PrintStreamer(tokenizer, input_ids.shape[1]) if stream else None
+    if stream and tokenizer is not None:  # everything is loaded: the prompt shows just before generating
         print(args.prompt if args.prompt else "", end="", flush=True)
     began = time.perf_counter()
     kwargs = dict(max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=getattr(tokenizer, "pad_token_id", None),
-                  **sampling)
+                  num_beams=args.num_beams, **sampling)
     if draft is not None:  # speculative generation opens its own session, as long as its trees need
         output = model.generate(input_ids, draft_model=draft, **kwargs)
         stats = model.last_speculation
         spans, chain = stats.chain, speculation_text(stats, output.shape[1] - input_ids.shape[1])
     else:
-        with model.inference_session(max_length=max_length) as session:
+        with model.inference_session(max_length=max_length, batch_size=args.num_beams) as session:
             output = model.generate(input_ids, **kwargs)
             spans, chain = [(span.record.public_name or span.peer_id[-8:], span.start, span.end)
                             for span in session.spans], ""
     servers = " -> ".join(f"{name}[{start}:{end}]" for name, start, end in spans)
     seconds = time.perf_counter() - began
     new_ids = output[0, input_ids.shape[1]:]
-    if not args.stream:
+    if not stream:
         print(tokenizer.decode(output[0], skip_special_tokens=True) if tokenizer else " ".join(map(str, output[0].tolist())))
     print(f"[{len(new_ids)} tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s, servers: {servers}{chain}]",
           file=sys.stderr)
@@ -223,8 +225,11 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
                              "%(default)s = all)")
     parser.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens; 0 = all (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    parser.add_argument("--num-beams", type=positive_int, default=1,
+                        help="beam search over this many hypotheses, as transformers' generate(num_beams=...); above 1 "
+                             "it decodes plainly and prints the text once done (default: %(default)s)")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                        help="print tokens as they arrive (default: on)")
+                        help="print tokens as they arrive (default: on, unless --num-beams is above 1)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="dtype of the client's embeddings and LM head (default: %(default)s, the checkpoint's)")
 
