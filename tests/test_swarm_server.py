@@ -72,8 +72,9 @@ def test_client_cli_beam_search_prints_transformers_best_beam(swarm):
          "--max-new-tokens", "6", "--num-beams", "3", "--dtype", "float32", "--initial-peers", *swarm.initial_peers],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    expected = reference(swarm.model).generate(torch.tensor([ids]), max_new_tokens=6, num_beams=3, do_sample=False)[0]
-    greedy = reference(swarm.model).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0]
+    local = reference(swarm.model)
+    expected = local.generate(torch.tensor([ids]), max_new_tokens=6, num_beams=3, do_sample=False)[0]
+    greedy = local.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0]
     assert result.stdout.split() == [str(token) for token in expected.tolist()]  # printed once done: prompt and all
     assert not torch.equal(expected, greedy)  # the test would not tell beam search from greedy otherwise
 
