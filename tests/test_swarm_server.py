@@ -53,12 +53,17 @@ def test_idle_session_times_out_frees_cache_and_is_rebuilt(swarm):
     assert torch.allclose(model.head.logits(next_out), logits[:, 3:], atol=1e-5)
 
 
+def cli_generate(swarm, ids: list[int], *flags: str) -> subprocess.CompletedProcess:
+    """`bloombee-client generate` of 6 tokens after `ids` in float32 through the swarm, with `flags` besides."""
+    return subprocess.run(
+        [sys.executable, "-m", "bloombee.cli.client", "generate", "--model", swarm.model, "--input-ids", ",".join(map(str, ids)),
+         "--max-new-tokens", "6", "--dtype", "float32", "--initial-peers", *swarm.initial_peers, *flags],
+        capture_output=True, text=True, timeout=300)
+
+
 def test_client_cli_generates_and_summarises(swarm):
     ids = [3, 1, 4, 1, 5]
-    result = subprocess.run(
-        [sys.executable, "-m", "bloombee.cli.client", "generate", "--model", swarm.model, "--input-ids", ",".join(map(str, ids)),
-         "--max-new-tokens", "6", "--dtype", "float32", "--initial-peers", *swarm.initial_peers],
-        capture_output=True, text=True, timeout=300)
+    result = cli_generate(swarm, ids)
     assert result.returncode == 0, result.stderr
     expected = reference(swarm.model).generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
     assert result.stdout.split() == [str(token) for token in expected.tolist()]
@@ -67,10 +72,7 @@ def test_client_cli_generates_and_summarises(swarm):
 
 def test_client_cli_beam_search_prints_transformers_best_beam(swarm):
     ids = [3, 1, 4, 1, 5]
-    result = subprocess.run(
-        [sys.executable, "-m", "bloombee.cli.client", "generate", "--model", swarm.model, "--input-ids", ",".join(map(str, ids)),
-         "--max-new-tokens", "6", "--num-beams", "3", "--dtype", "float32", "--initial-peers", *swarm.initial_peers],
-        capture_output=True, text=True, timeout=300)
+    result = cli_generate(swarm, ids, "--num-beams", "3")
     assert result.returncode == 0, result.stderr
     local = reference(swarm.model)
     expected = local.generate(torch.tensor([ids]), max_new_tokens=6, num_beams=3, do_sample=False)[0]

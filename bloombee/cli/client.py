@@ -106,7 +106,7 @@ def generate(args: argparse.Namespace) -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     beams = args.num_beams > 1  # transformers streams no beam search, and speculative rounds follow one hypothesis
-    draft = model.settings_draft() if args.max_length is None and not beams else None  # --max-length: its own session
+    draft = model.settings_draft() if args.max_length is None and not beams else None  # else plainly, in a session below
     stream = args.stream and not beams
     streamer = PrintStreamer(tokenizer, input_ids.shape[1]) if stream else None
     if stream and tokenizer is not None:  # everything is loaded: the prompt shows just before generating
