@@ -248,7 +248,8 @@ def main() -> None:
         client_in_namespace(args)
         return
     model = resolve_model(resolve(args.model)[0])
-    logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-"))
+    # the shaped swarms' logs; on loopback each LocalSwarm keeps its own (in --logs, or a folder it makes)
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="load-bench-")) if args.env else None
 
     def swarm_rows(servers: int, batching: str) -> list[dict]:
         if args.env:

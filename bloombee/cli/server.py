@@ -144,17 +144,19 @@ def check_quantization(args: argparse.Namespace, settings: ServerSettings, plann
 
 
 def run(args: argparse.Namespace, server_class: type | None = None) -> None:
-    import torch
-
-    from bloombee.dht.peers import start_dht
-
-    check_initial_peers(args.initial_peers)
-    check_blocks(args)
+    """Check the arguments (those that need no model first: a typo is refused at once), then serve."""
     planned = read_plan(args)
     if not args.new_swarm and not args.initial_peers:
         raise SystemExit("bloombee-server: pass --initial-peers of a running swarm, or --new-swarm to start one")
     settings = load_settings(ServerSettings, settings_overrides(args, ServerSettings))
+    check_initial_peers(args.initial_peers)
+    check_blocks(args)
     quant = check_quantization(args, settings, planned)
+
+    import torch
+
+    from bloombee.dht.peers import start_dht
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # until the server's loop takes over: stop cleanly, DHT included
         signal.signal(sig, stop_starting)
     if settings.num_threads:
