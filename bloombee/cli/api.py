@@ -19,7 +19,7 @@ from bloombee.cli.common import (
     settings_overrides,
     setup_logging,
 )
-from bloombee.settings import ApiSettings, ClientSettings
+from bloombee.settings import ApiSettings, ClientSettings, load_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> None:
+    settings = load_settings(ApiSettings, settings_overrides(args, ApiSettings))  # a typo is refused at once
+    client_settings = load_settings(ClientSettings, settings_overrides(args, ClientSettings))
+    check_initial_peers(args.initial_peers)
+
     import torch
     import uvicorn
     from transformers import AutoTokenizer
@@ -43,11 +47,7 @@ def serve(args: argparse.Namespace) -> None:
     from bloombee.api.engine import Engine
     from bloombee.client import AutoDistributedModel
     from bloombee.loading import resolve_model
-    from bloombee.settings import load_settings
 
-    check_initial_peers(args.initial_peers)
-    settings = load_settings(ApiSettings, settings_overrides(args, ApiSettings))
-    client_settings = load_settings(ClientSettings, settings_overrides(args, ClientSettings))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model, weights=False))
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=dtype,

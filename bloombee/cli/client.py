@@ -19,7 +19,7 @@ from bloombee.cli.common import (
     settings_overrides,
     setup_logging,
 )
-from bloombee.settings import ClientSettings
+from bloombee.settings import ClientSettings, load_settings
 
 
 class PrintStreamer:
@@ -89,19 +89,21 @@ def session_length(args: argparse.Namespace, config, prompt_length: int) -> int:
 
 
 def generate(args: argparse.Namespace) -> None:
+    settings = load_settings(ClientSettings, settings_overrides(args, ClientSettings))  # a typo is refused at once
+    require_peers(args)
+
     import torch
 
     from bloombee.client import AutoDistributedModel
     from bloombee.loading import load_model_config, resolve_model
 
-    require_peers(args)
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
     input_ids = prompt_ids(args, tokenizer)
     max_length = session_length(args, load_model_config(path), input_ids.shape[1])
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoDistributedModel.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=dtype,
-                                                 **settings_overrides(args, ClientSettings))
+                                                 **settings.model_dump())
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.temperature > 0 else dict(do_sample=False)
     if args.seed is not None:
         torch.manual_seed(args.seed)
