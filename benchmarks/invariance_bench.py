@@ -7,8 +7,9 @@ whose steps share the server's forwards) and speculative batched; once with the 
 (`--batch-invariant on`, the default) and once out of it. A flip is the first token where a sequence departs from
 its reference; tokens compared are those up to and including it (after it the two continue from different text).
 
-Cost: one block's decode step (a forward of 1 and of 8 one-token rows) and tree step (one row, the default tree's
-15 nodes) with the mode on and off, in float32 and bfloat16, for bloombee-tiny and netbench's hidden-2048 pipeline
+Cost: one block's decode step (a forward of 1 and of 8 one-token rows), prompt step (3 rows of 16 tokens: 48 vectors,
+which the mode computes as matmuls of 32 and 16) and tree step (one row, the default tree's 15 nodes) with the mode
+on and off, in float32 and bfloat16, for bloombee-tiny and netbench's hidden-2048 pipeline
 model, in this process (one torch thread).
 
     python -m benchmarks.invariance_bench
@@ -27,7 +28,7 @@ from benchmarks.netbench.models import resolve
 from bloombee.client import AutoDistributedModel
 from bloombee.loading import dht_prefix, load_block_stack, resolve_model
 from bloombee.local_swarm import LocalSwarm
-from bloombee.models.core.invariance import make_batch_invariant, row_floor
+from bloombee.models.core.invariance import make_batch_invariant, row_range
 from bloombee.server.backend import BlockBackend
 from bloombee.speculative.tree import PackedTrees, TokenTree
 
@@ -102,6 +103,19 @@ def step_ms(backend: BlockBackend, rows: int, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+@torch.inference_mode()
+def prompt_ms(backend: BlockBackend, rows: int = 3, tokens: int = 16, repeats: int = 10) -> float:
+    """Median milliseconds of a first step of `rows` rows of `tokens` tokens each through the backend's block."""
+    hidden = torch.randn(rows, tokens, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    times = []
+    for _ in range(repeats):
+        session = backend.new_session("cost", backend.start, backend.end, rows, tokens)
+        began = time.perf_counter()
+        backend.step(session, hidden, 0, 0, None, None)
+        times.append(1e3 * (time.perf_counter() - began))
+    return sorted(times)[len(times) // 2]
+
+
 # the default draft tree (widths 2, 2, 1, 1): 2 children of the root, 2 of each, then one child of each leaf, twice
 TREE_PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 
@@ -129,16 +143,16 @@ def measure_cost() -> list[dict]:
             figures = {}
             for mode in MODES:
                 stack = load_block_stack(path, 0, 1, dtype=dtype)
-                floor = None
+                chunks = None
                 if mode == "on":
-                    floor = row_floor(stack, dtype, torch.device("cpu"))
-                    make_batch_invariant(stack, dtype, torch.device("cpu"), floor)
+                    chunks = row_range(stack, dtype, torch.device("cpu"))
+                    make_batch_invariant(stack, dtype, torch.device("cpu"), chunks)
                 backend = BlockBackend(stack, "cpu", dtype)
-                figures[mode] = {"floor": floor, **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},
-                                 "tree_ms": tree_ms(backend)}
+                figures[mode] = {"chunk_rows": None if chunks is None else [chunks.floor, chunks.ceiling], **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},
+                                 "prompt_ms": prompt_ms(backend), "tree_ms": tree_ms(backend)}
             row = {"model": name, "dtype": str(dtype).removeprefix("torch."), **{
                 f"{mode}_{key}": value for mode, values in figures.items() for key, value in values.items()}}
-            row.update({f"cost_{key}": row[f"on_{key}_ms"] / row[f"off_{key}_ms"] for key in ("rows_1", "rows_8", "tree")})
+            row.update({f"cost_{key}": row[f"on_{key}_ms"] / row[f"off_{key}_ms"] for key in ("rows_1", "rows_8", "prompt", "tree")})
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows

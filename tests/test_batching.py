@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bloombee.loading import load_block_stack, resolve_model
-from bloombee.models.core.invariance import (chunk_linear_rows, chunk_sizes, make_batch_invariant, row_floor,
-                                              unchunk_linear_rows)
+from bloombee.models.core.invariance import (CHUNK_SIZES, ChunkRange, choose_range, chunk_linear_rows, chunk_sizes,
+                                              make_batch_invariant, row_range, unchunk_linear_rows)
 from bloombee.models.core.packing import pack
 from bloombee.protocol import InvalidStep
 from bloombee.server.backend import BlockBackend
@@ -22,7 +22,7 @@ MAX_LENGTH = 64
 def backend_of(dtype: torch.dtype) -> BlockBackend:
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 8, dtype=dtype)
     cpu = torch.device("cpu")
-    assert make_batch_invariant(stack, stack.dtype, cpu, row_floor(stack, stack.dtype, cpu))
+    assert make_batch_invariant(stack, stack.dtype, cpu, row_range(stack, stack.dtype, cpu))
     return BlockBackend(stack, "cpu", stack.dtype)
 
 
@@ -92,10 +92,8 @@ def test_a_tree_steps_nodes_get_the_bits_of_the_same_tokens_decoded_one_at_a_tim
 def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows():
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
     cpu = torch.device("cpu")
-    floor = row_floor(stack, torch.float32, cpu)  # 4 on some x86 CPUs here, 16 on others: measured, not assumed
-    assert make_batch_invariant(stack, torch.float32, cpu, floor)
-    assert chunk_sizes(1100, 4) == [512, 512, 64, 8, 4] and chunk_sizes(3, 1) == [4] and chunk_sizes(6, 1) == [8]
-    assert chunk_sizes(10, 4) == [8, 4] and chunk_sizes(10, 16) == [16]
+    chunks = row_range(stack, torch.float32, cpu)  # from 4 on some x86 CPUs here, 16 on others: measured
+    assert make_batch_invariant(stack, torch.float32, cpu, chunks)
     layer = stack.blocks[0].mlp.down_proj
     inputs = torch.randn(700, layer.in_features, generator=torch.Generator().manual_seed(1))
     probe, others = inputs[:1], inputs[1:]
@@ -106,10 +104,32 @@ def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows
                 assert torch.equal(layer(torch.cat([others[:where], probe, others[where:rows - 1]]))[where], alone)
 
 
+def test_rows_go_in_chunks_of_the_range():
+    assert chunk_sizes(1100, ChunkRange(4, 512)) == [512, 512, 64, 8, 4]
+    assert chunk_sizes(3, ChunkRange(1, 512)) == [4] and chunk_sizes(6, ChunkRange(1, 512)) == [8]
+    assert chunk_sizes(10, ChunkRange(4, 512)) == [8, 4] and chunk_sizes(10, ChunkRange(16, 512)) == [16]
+    assert chunk_sizes(100, ChunkRange(1, 32)) == [32, 32, 32, 4]
+
+
+def test_the_range_chosen_pads_a_decode_step_least_while_its_chunks_stay_large():
+    index = {size: position for position, size in enumerate(CHUNK_SIZES)}
+
+    def runs(*classes: tuple[int, int]) -> set[tuple[int, int]]:
+        """Every run within each class of sizes [low, high] that round alike."""
+        return {(first, last) for low, high in classes for first in range(index[low], index[high] + 1)
+                for last in range(first, index[high] + 1)}
+
+    assert choose_range(runs((1, 512))) == ChunkRange(1, 512)
+    assert choose_range(runs((1, 1), (2, 8), (16, 512))) == ChunkRange(16, 512)  # float32 on one CPU here
+    assert choose_range(runs((1, 32), (64, 256), (512, 512))) == ChunkRange(1, 32)  # bfloat16, hidden 2048
+    assert choose_range(runs((1, 4), (8, 16))) == ChunkRange(8, 16)
+    assert choose_range(set()) is None
+
+
 def test_chunking_is_undone_for_a_server_that_finds_it_too_slow():
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
     layer = stack.blocks[0].mlp.down_proj
-    chunk_linear_rows(stack, 4)
+    chunk_linear_rows(stack, ChunkRange(4, 512))
     assert "forward" in vars(layer)
     unchunk_linear_rows(stack)
     assert "forward" not in vars(layer) and type(layer).forward is torch.nn.Linear.forward
@@ -134,7 +154,7 @@ def test_a_mixtures_rows_get_the_same_bits_among_any_number_of_rows(variant, tin
     folder, _ = tiny_checkpoint(variant, 2)
     stack = load_block_stack(folder, 0, 2, dtype=torch.float32)
     cpu = torch.device("cpu")
-    assert make_batch_invariant(stack, torch.float32, cpu, row_floor(stack, torch.float32, cpu))
+    assert make_batch_invariant(stack, torch.float32, cpu, row_range(stack, torch.float32, cpu))
     mlp = stack.blocks[-1].mlp
     inputs = torch.randn(300, stack.config.hidden_size, generator=torch.Generator().manual_seed(1))
     probe, others = inputs[:1], inputs[1:]

@@ -18,7 +18,7 @@ from bloombee.client.remote import RemoteSequential
 from bloombee.client.session import InferenceSession
 from bloombee.dht.peers import start_dht
 from bloombee.loading import dht_prefix, load_client_head, load_model_config, resolve_model
-from bloombee.models.core.invariance import make_batch_invariant, row_floor
+from bloombee.models.core.invariance import make_batch_invariant, row_range
 from bloombee.settings import ClientSettings, load_settings
 from bloombee.speculative.api import ACCEPTED, load_draft, speculative_generate
 from bloombee.speculative.draft import DraftModel
@@ -72,7 +72,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         head = load_client_head(path, dtype, device)
         client_settings = load_settings(ClientSettings, settings)
         if client_settings.batch_invariant == "on":
-            make_batch_invariant(head, head.dtype, head.device, row_floor(head, head.dtype, head.device))
+            make_batch_invariant(head, head.dtype, head.device, row_range(head, head.dtype, head.device))
         owned = dht is None
         if owned:
             dht = start_dht(initial_peers, client_mode=True, connect_timeout=client_settings.connect_timeout)

@@ -39,7 +39,7 @@ from bloombee.server.memory import (
 )
 from bloombee.server.sessions import SessionRegistry
 from bloombee.server.throughput import (INVARIANCE_COST, block_throughput_meter, invariance_slowdown,
-                                        measured_row_floor)
+                                        measured_row_range)
 from bloombee.settings import ServerSettings
 from bloombee.weight_formats import QuantType
 
@@ -141,20 +141,21 @@ class Server:
 
     def _make_batch_invariant(self, backend: BlockBackend, key: str) -> tuple[bool, bool]:
         """--batch-invariant: whether the blocks' matmuls were made to round a row alike whatever rows share them
-        (on; auto: where that slows a batch-1 decode step by at most INVARIANCE_COST), and whether a tree's nodes are
-        attended one at a time (on only: it costs a tree step 2-3x on a CPU, benchmarks/README.md)."""
+        (on; auto: where that slows neither a batch-1 decode step nor a prompt by more than INVARIANCE_COST), and
+        whether a tree's nodes are attended one at a time (on only: it costs a tree step 2-3x on a CPU,
+        benchmarks/README.md)."""
         setting, stack = self.settings.batch_invariant, backend.stack
         if setting == "off":
             return False, False
-        floor = measured_row_floor(backend, key)
-        if floor is not None and setting == "auto":
-            slowdown = invariance_slowdown(backend, floor, key)
+        chunks = measured_row_range(backend, key)
+        if chunks is not None and setting == "auto":
+            slowdown = invariance_slowdown(backend, chunks, key)
             if slowdown > 1 + INVARIANCE_COST:
-                logger.info("Not batch-invariant: chunked matmuls would slow a decode step %.2fx here "
+                logger.info("Not batch-invariant: chunked matmuls would slow a decode step or a prompt %.2fx here "
                             "(--batch-invariant on to have it anyway)", slowdown)
                 return False, False
         trees = setting == "on"
-        invariant = make_batch_invariant(stack, stack.dtype, self.device, floor, trees)
+        invariant = make_batch_invariant(stack, stack.dtype, self.device, chunks, trees)
         return invariant, invariant and trees
 
     def _room_for_sessions(self, backend: BlockBackend) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bloombee.models.core.invariance import chunk_linear_rows, row_floor, unchunk_linear_rows
+from bloombee.models.core.invariance import ChunkRange, chunk_linear_rows, row_range, unchunk_linear_rows
 from bloombee.planner.chain import block_forward_seconds
 from bloombee.planner.learning import Recent
 from bloombee.progress import progress
@@ -24,7 +24,8 @@ SERVED_WINDOW = 16  # served steps whose mean is the running estimate
 SERVED_BEFORE_TRUSTED = 8  # served batch-1 decode steps before they replace the start-up figure
 BATCH_ROWS = 16  # rows of the decode forward that, beside a batch-1 one, gives what one more row costs
 LOAD_WINDOW_S = 10.0  # seconds of served forwards whose mean size is the announced load
-INVARIANCE_COST = 0.10  # --batch-invariant auto: the most the mode may slow a batch-1 decode step
+INVARIANCE_COST = 0.10  # --batch-invariant auto: the most the mode may slow a batch-1 decode step or a prompt
+PROMPT_PROBE_TOKENS = 128  # tokens of the prompt whose slowdown --batch-invariant auto measures
 
 
 def _fastest_step_seconds(backend: BlockBackend, rows: int, steps: int, label: str | None = None) -> float:
@@ -58,28 +59,50 @@ def measure_row_seconds(backend: BlockBackend, steps: int = 4) -> float:
     return max(extra, 0.0) / (BATCH_ROWS - 1) / (backend.end - backend.start)
 
 
-def measured_row_floor(backend: BlockBackend, key: str,
-                       cache_path: Path = CACHE_DIR / "throughput.json") -> int | None:
-    """`row_floor` of the backend's blocks with this process's threads (measured once per `key` and thread count)."""
-    key = f"{key}|rowfloor|t{torch.get_num_threads()}"
-    return cached(cache_path, key, lambda: row_floor(backend.stack, backend.dtype, backend.device))
+def measured_row_range(backend: BlockBackend, key: str,
+                       cache_path: Path = CACHE_DIR / "throughput.json") -> ChunkRange | None:
+    """`row_range` of the backend's blocks with this process's threads (measured once per `key` and thread count)."""
+
+    def measure() -> list[int] | None:
+        chunks = row_range(backend.stack, backend.dtype, backend.device)
+        return None if chunks is None else [chunks.floor, chunks.ceiling]
+
+    bounds = cached(cache_path, f"{key}|rowrange|t{torch.get_num_threads()}", measure)
+    return None if bounds is None else ChunkRange(*bounds)
 
 
-def invariance_slowdown(backend: BlockBackend, floor: int, key: str,
+def _fastest_prompt_seconds(backend: BlockBackend, tokens: int) -> float:
+    """Seconds of a one-row prompt of `tokens` tokens through all the backend's blocks, the fastest of ROUNDS."""
+    hidden = torch.randn(1, tokens, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    best = float("inf")
+    for _ in range(ROUNDS + 1):  # the first round warms up
+        session = backend.new_session("prompt-probe", backend.start, backend.end, 1, tokens)
+        began = time.perf_counter()
+        backend.step(session, hidden, 0, 0, None, None)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def invariance_slowdown(backend: BlockBackend, chunks: ChunkRange, key: str,
                         cache_path: Path = CACHE_DIR / "throughput.json") -> float:
-    """How much computing the blocks' matmuls in chunks of at least `floor` rows slows a batch-1 decode step here
-    (measured once per `key`)."""
+    """How much computing the blocks' matmuls in chunks of `chunks` rows slows a batch-1 decode step or a prompt of
+    PROMPT_PROBE_TOKENS tokens here, whichever it slows more (measured once per `key`)."""
+
+    def timings() -> tuple[float, float]:
+        return 1 / measure_block_throughput(backend), _fastest_prompt_seconds(backend, PROMPT_PROBE_TOKENS)
 
     def measure() -> float:
-        plain = measure_block_throughput(backend)
-        chunk_linear_rows(backend.stack, floor)
+        plain = timings()
+        chunk_linear_rows(backend.stack, chunks)
         try:
-            chunked = measure_block_throughput(backend)
+            chunked = timings()
         finally:
             unchunk_linear_rows(backend.stack)
-        return plain / chunked
+        return max(after / before for before, after in zip(plain, chunked))
 
-    return float(cached(cache_path, f"{key}|invariance{floor}", measure))
+    return float(cached(cache_path, f"{key}|invariance{chunks.floor}-{chunks.ceiling}|p{PROMPT_PROBE_TOKENS}", measure))
 
 
 class ThroughputMeter:

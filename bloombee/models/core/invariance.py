@@ -3,11 +3,12 @@
 BLAS libraries choose how to split a matmul (kernels, tiles, threads), and with it the order in which a dot product
 adds up, by its number of rows. On one of this project's x86 CPUs (MKL and oneDNN, one or two threads) a float32
 matmul of 1 row, of 2-3 rows and of 10 rows round a row differently, while matmuls of 4, 8, 16, ... 512 rows give a
-row the same bits wherever it sits among them; on another, only those from 16 rows do. So each process measures, for
-the linear layers it computes with, the smallest power-of-two row count from which every larger one up to MAX_CHUNK
-rounds alike (`row_floor`), and computes every matmul as chunks of such sizes, the last padded with zero rows
-(`chunk_linear_rows`): then a row comes out the same alone, in a micro-batch, in a speculative tree or in a forward
-shared with other sessions' steps. Where no such size exists the mode cannot hold, and the caller says so. Two more
+row the same bits wherever it sits among them; on another, float32 matmuls of 1, of 2-8 and of 16-512 rows round
+three ways, and bfloat16 ones of hidden 2048 alike from 1 to 32 rows but not above. So each process measures, for
+the linear layers it computes with, a run of power-of-two row counts that all round a row alike (`row_range`), and
+computes every matmul as chunks of such sizes, the last padded with zero rows (`chunk_linear_rows`): then a row comes
+out the same alone, in a micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Where
+no such run exists the mode cannot hold, and the caller says so. Two more
 things round a row by its company and are fixed the same way: an activation's exp or tanh rounds differently in a
 vectorised loop's scalar tail than in its body (so activations see rows padded to whole vector strides), and
 attention over a tree's 15 queries and its key layout adds up differently than one query's (so in the mode a tree's
@@ -19,6 +20,7 @@ decode steps attend one session at a time.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,9 @@ from bloombee.models.core.packing import Segment, granule_slots, pack
 
 logger = logging.getLogger(__name__)
 
-MAX_CHUNK = 512  # rows of the largest matmul computed at once in the mode
+MAX_CHUNK = 512  # rows of the largest matmul the probe tries
+MIN_CEILING = 32  # rows of the largest chunk a run needs to be chosen over one of larger chunks (a 2048-token prompt
+# then takes at most 64 matmuls a layer)
 PROBED_LENGTHS = ((1, 64, 65, 200), (40, 41, 63, 130), (700, 3, 70, 1030))  # key slots of decode steps batched
 LANES = 64  # elements: a multiple of any CPU vector loop's stride (AVX-512, unrolled twice: 32 float32 values)
 PAD_UP_TO = 8  # rows left over that one padded matmul computes faster than a chunk per power of two
@@ -49,51 +53,76 @@ def _distinct_linears(module: nn.Module) -> list[nn.Linear]:
     return layers
 
 
-def _rounds_alike(layer: nn.Linear, inputs: torch.Tensor, size: int, reference: torch.Tensor) -> bool:
-    """Whether a matmul of `size` rows gives the probe row (inputs[0]), set at its first, middle and last row,
-    `reference` at each."""
+@dataclass(frozen=True)
+class ChunkRange:
+    """Power-of-two row counts from `floor` to `ceiling` whose matmuls give a row the same bits wherever it sits."""
+
+    floor: int
+    ceiling: int
+
+
+def _probe_output(layer: nn.Linear, inputs: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The probe row's (inputs[0]) output in a matmul of `size` rows, where it comes out the same at the first,
+    middle and last row; None where it does not."""
     rows, where = inputs[1:size + 1].clone(), sorted({0, size // 2, size - 1})
     rows[where] = inputs[0]
     out = layer(rows)
-    return all(torch.equal(out[index], reference) for index in where)
+    return out[0] if all(torch.equal(out[index], out[0]) for index in where) else None
+
+
+def _alike_runs(outputs: list[torch.Tensor | None]) -> set[tuple[int, int]]:
+    """(first, last) indices of every run of CHUNK_SIZES whose outputs of the probe row are all equal."""
+    runs = set()
+    for first, reference in enumerate(outputs):
+        last = first
+        while (reference is not None and last < len(outputs) and outputs[last] is not None
+               and torch.equal(outputs[last], reference)):
+            runs.add((first, last))
+            last += 1
+    return runs
+
+
+def choose_range(runs: set[tuple[int, int]]) -> ChunkRange | None:
+    """Of runs of CHUNK_SIZES (first, last indices) that round alike, the one with the smallest floor (a decode step
+    pads least) among those whose ceiling reaches MIN_CEILING, else the one with the largest ceiling."""
+    if not runs:
+        return None
+    wide = [(first, last) for first, last in runs if CHUNK_SIZES[last] >= MIN_CEILING]
+    first, last = (min(wide, key=lambda run: (run[0], -run[1])) if wide
+                   else max(runs, key=lambda run: (run[1], -run[0])))
+    return ChunkRange(CHUNK_SIZES[first], CHUNK_SIZES[last])
 
 
 @torch.inference_mode()
-def row_floor(module: nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
-    """The smallest power-of-two row count from which the linear layers of `module` give a row the same result
-    wherever it sits among any power-of-two count of rows up to MAX_CHUNK (with this process's threads); None where
-    not even MAX_CHUNK does."""
-    floor = 1
+def row_range(module: nn.Module, dtype: torch.dtype, device: torch.device) -> ChunkRange | None:
+    """The power-of-two row counts (up to MAX_CHUNK) that `module`'s linear layers compute a row alike among, with
+    this process's threads (`choose_range` of the runs every layer rounds alike); None where no run does."""
     generator = torch.Generator().manual_seed(0)
+    common = None
     for layer in _distinct_linears(module):
         inputs = torch.randn(MAX_CHUNK + 1, layer.in_features, generator=generator).to(device, dtype)
-        reference = layer(torch.cat([inputs[1:MAX_CHUNK // 2], inputs[:1], inputs[MAX_CHUNK // 2:]]))[MAX_CHUNK // 2 - 1]
-        alike = [_rounds_alike(layer, inputs, size, reference) for size in CHUNK_SIZES]
-        index = len(CHUNK_SIZES)
-        while index > 0 and alike[index - 1]:
-            index -= 1
-        if index == len(CHUNK_SIZES):
-            return None
-        floor = max(floor, CHUNK_SIZES[index])
-    return floor
+        runs = _alike_runs([_probe_output(layer, inputs, size) for size in CHUNK_SIZES])
+        common = runs if common is None else common & runs
+    return choose_range(common or set())
 
 
-def chunk_sizes(rows: int, floor: int) -> list[int]:
-    """The matmul sizes `rows` rows are computed in: MAX_CHUNK while more are left, then the largest power of two
-    that fits, until at most PAD_UP_TO are left: those go as one chunk padded to a power of two, at least `floor`."""
+def chunk_sizes(rows: int, chunks: ChunkRange) -> list[int]:
+    """The matmul sizes `rows` rows are computed in: the range's ceiling while more are left, then the largest power
+    of two that fits, until at most PAD_UP_TO are left: those go as one chunk padded to a power of two, at least the
+    range's floor."""
     sizes = []
     while rows > 0:
         fitting = 1 << (rows.bit_length() - 1)
-        size = min(MAX_CHUNK, max(floor, fitting if rows > PAD_UP_TO or fitting == rows else fitting * 2))
+        size = min(chunks.ceiling, max(chunks.floor, fitting if rows > PAD_UP_TO or fitting == rows else fitting * 2))
         sizes.append(size)
         rows -= size
     return sizes
 
 
-def _chunked(forward, floor: int):
+def _chunked(forward, chunks: ChunkRange):
     def chunked_forward(x: torch.Tensor, *args) -> torch.Tensor:
         rows = x.shape[:-1].numel()
-        sizes = chunk_sizes(rows, floor)
+        sizes = chunk_sizes(rows, chunks)
         if sizes == [rows]:
             return forward(x, *args)
         flat = x.reshape(rows, x.shape[-1])
@@ -117,15 +146,15 @@ def _computes_by_rows(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Linear) or getattr(layer, "row_wise", False)
 
 
-def chunk_linear_rows(module: nn.Module, floor: int) -> None:
+def chunk_linear_rows(module: nn.Module, chunks: ChunkRange) -> None:
     """Make every linear layer (and row-wise module) of `module` compute its rows in the chunks `chunk_sizes`
-    gives; a module with ``padded_rows_floor`` (core.stack.BlockStack) pads a forward's rows once, at its start, to
+    gives; a module with ``padded_rows_chunks`` (core.stack.BlockStack) pads a forward's rows once, at its start, to
     what those chunks hold, so that its layers need not pad each."""
     for layer in module.modules():
         if _computes_by_rows(layer):
-            layer.forward = _chunked(layer.forward, floor)
-        if hasattr(layer, "padded_rows_floor"):
-            layer.padded_rows_floor = floor
+            layer.forward = _chunked(layer.forward, chunks)
+        if hasattr(layer, "padded_rows_chunks"):
+            layer.padded_rows_chunks = chunks
 
 
 def unchunk_linear_rows(module: nn.Module) -> None:
@@ -133,13 +162,13 @@ def unchunk_linear_rows(module: nn.Module) -> None:
     for layer in module.modules():
         if _computes_by_rows(layer) and "forward" in vars(layer):
             del layer.forward
-        if hasattr(layer, "padded_rows_floor"):
-            layer.padded_rows_floor = None
+        if hasattr(layer, "padded_rows_chunks"):
+            layer.padded_rows_chunks = None
 
 
-def padded_rows(rows: int, floor: int) -> int:
+def padded_rows(rows: int, chunks: ChunkRange) -> int:
     """The rows `chunk_sizes` computes `rows` rows as (the last chunk's padding included)."""
-    return sum(chunk_sizes(rows, floor))
+    return sum(chunk_sizes(rows, chunks))
 
 
 class LaneAlignedActivation(nn.Module):
@@ -157,11 +186,11 @@ class LaneAlignedActivation(nn.Module):
         return self.activation(F.pad(x, (0, pad)))[..., :x.shape[-1]]
 
 
-def apply_batch_invariance(module: nn.Module, floor: int, trees: bool = True) -> None:
-    """Make `module`'s blocks batch-invariant at row floor `floor`: linear layers in row chunks, activations on whole
+def apply_batch_invariance(module: nn.Module, chunks: ChunkRange, trees: bool = True) -> None:
+    """Make `module`'s blocks batch-invariant: linear layers in row chunks of `chunks`, activations on whole
     SIMD strides and, with `trees`, a speculative tree's nodes attended one at a time over exactly the keys a token
     decoded alone at its depth attends (`attend_tree_nodes`)."""
-    chunk_linear_rows(module, floor)
+    chunk_linear_rows(module, chunks)
     for layer in list(module.modules()):
         if isinstance(getattr(layer, "act", None), nn.Module) and not isinstance(layer.act, LaneAlignedActivation):
             layer.act = LaneAlignedActivation(layer.act)
@@ -169,17 +198,17 @@ def apply_batch_invariance(module: nn.Module, floor: int, trees: bool = True) ->
             layer.tree_nodes_alone = trees
 
 
-def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device, floor: int | None,
+def make_batch_invariant(module: nn.Module, dtype: torch.dtype, device: torch.device, chunks: ChunkRange | None,
                          trees: bool = True) -> bool:
-    """`apply_batch_invariance` at `module`'s row floor (`row_floor`); False where the mode cannot hold on this
-    device (no floor: logged)."""
-    if floor is None:
+    """`apply_batch_invariance` in `module`'s chunk range (`row_range`); False where the mode cannot hold on this
+    device (no range: logged)."""
+    if chunks is None:
         logger.warning("Matmuls on %s (%s) round a row by the rows beside it at every size probed: rows computed "
                        "together may differ in their last bits from rows computed alone", device, dtype)
         return False
-    apply_batch_invariance(module, floor, trees)
-    logger.info("Batch-invariant on %s (%s): matmuls in power-of-two chunks of %d to %d rows%s", device, dtype, floor,
-                MAX_CHUNK, ", tree nodes attended one at a time" if trees else "")
+    apply_batch_invariance(module, chunks, trees)
+    logger.info("Batch-invariant on %s (%s): matmuls in power-of-two chunks of %d to %d rows%s", device, dtype,
+                chunks.floor, chunks.ceiling, ", tree nodes attended one at a time" if trees else "")
     if getattr(module, "batch_decode", False) and not padding_invariant_attention(module):
         module.batch_decode = False
         logger.info("Decode steps attend one session at a time: on %s (%s) attention over keys padded further "

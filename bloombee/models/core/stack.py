@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bloombee.models.core.family import Family
-from bloombee.models.core.invariance import padded_rows
+from bloombee.models.core.invariance import ChunkRange, padded_rows
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.offload import OffloadedKVCache, host_kv_heads
 from bloombee.models.core.packing import Segment, granule_slots, pack, segment_slices
@@ -29,7 +29,7 @@ class BlockStack(nn.Module):
         if not 0 <= start < end <= n:
             raise ValueError(f"block range [{start}, {end}) is not inside the model's {n} blocks [0, {n}).")
         self.family, self.config, self.start, self.end = family, config, start, end
-        self.padded_rows_floor: int | None = None  # batch-invariant mode: a forward's rows padded once (invariance)
+        self.padded_rows_chunks: ChunkRange | None = None  # batch-invariant mode: a forward's rows padded once
         self.batch_decode = True  # one-token steps attend as one batch (core.packing; off where the batch-invariant
         # mode finds that this rounds a row by its company)
         self.block_configs = [self.family.block_config(config, i) for i in range(start, end)]
@@ -104,7 +104,7 @@ class BlockStack(nn.Module):
         rotations = {kind: self._rotation(rotary, hidden.dtype, rope_positions, segments)
                      for kind, rotary in self.rotaries.items()}
         rows = hidden.shape[0]
-        pad = padded_rows(rows, self.padded_rows_floor) - rows if self.padded_rows_floor else 0
+        pad = padded_rows(rows, self.padded_rows_chunks) - rows if self.padded_rows_chunks else 0
         if pad:  # zero rows past the segments', so that no linear layer pads its own (core.invariance)
             hidden = F.pad(hidden, (0, 0, 0, pad))
             rotations = {kind: tuple(F.pad(t, (0, 0, 0, pad)) for t in cos_sin) for kind, cos_sin in rotations.items()}
