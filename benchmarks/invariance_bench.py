@@ -9,8 +9,8 @@ its reference; tokens compared are those up to and including it (after it the tw
 
 Cost: one block's decode step (a forward of 1 and of 8 one-token rows), prompt step (3 rows of 16 tokens: 48 vectors,
 which the mode computes as matmuls of 32 and 16) and tree step (one row, the default tree's 15 nodes) with the mode
-on and off, in float32 and bfloat16, for bloombee-tiny and netbench's hidden-2048 pipeline
-model, in this process (one torch thread).
+on and off, in float32 and bfloat16, for bloombee-tiny and netbench's hidden-2048 pipeline model, in this process
+(one torch thread).
 
     python -m benchmarks.invariance_bench
 """
@@ -148,11 +148,13 @@ def measure_cost() -> list[dict]:
                     chunks = row_range(stack, dtype, torch.device("cpu"))
                     make_batch_invariant(stack, dtype, torch.device("cpu"), chunks)
                 backend = BlockBackend(stack, "cpu", dtype)
-                figures[mode] = {"chunk_rows": None if chunks is None else [chunks.floor, chunks.ceiling], **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},
+                figures[mode] = {"chunk_rows": None if chunks is None else [chunks.floor, chunks.ceiling],
+                                 **{f"rows_{n}_ms": step_ms(backend, n) for n in (1, 8)},
                                  "prompt_ms": prompt_ms(backend), "tree_ms": tree_ms(backend)}
             row = {"model": name, "dtype": str(dtype).removeprefix("torch."), **{
                 f"{mode}_{key}": value for mode, values in figures.items() for key, value in values.items()}}
-            row.update({f"cost_{key}": row[f"on_{key}_ms"] / row[f"off_{key}_ms"] for key in ("rows_1", "rows_8", "prompt", "tree")})
+            row.update({f"cost_{key}": row[f"on_{key}_ms"] / row[f"off_{key}_ms"]
+                        for key in ("rows_1", "rows_8", "prompt", "tree")})
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows

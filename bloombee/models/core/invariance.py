@@ -8,13 +8,12 @@ three ways, and bfloat16 ones of hidden 2048 alike from 1 to 32 rows but not abo
 the linear layers it computes with, a run of power-of-two row counts that all round a row alike (`row_range`), and
 computes every matmul as chunks of such sizes, the last padded with zero rows (`chunk_linear_rows`): then a row comes
 out the same alone, in a micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Where
-no such run exists the mode cannot hold, and the caller says so. Two more
-things round a row by its company and are fixed the same way: an activation's exp or tanh rounds differently in a
-vectorised loop's scalar tail than in its body (so activations see rows padded to whole vector strides), and
-attention over a tree's 15 queries and its key layout adds up differently than one query's (so in the mode a tree's
-nodes are attended one at a time). And a decode step batched with longer ones attends keys padded further than
-alone: the mode probes that whole masked granules leave a row's bits alone (`padding_invariant_attention`), else
-decode steps attend one session at a time.
+no such run exists the mode cannot hold, and the caller says so. Two more things round a row by its company and are
+fixed the same way: an activation's exp or tanh rounds differently in a vectorised loop's scalar tail than in its
+body (so activations see rows padded to whole vector strides), and attention over a tree's 15 queries and its key
+layout adds up differently than one query's (so in the mode a tree's nodes are attended one at a time). And a decode
+step batched with longer ones attends keys padded further than alone: the mode probes that whole masked granules
+leave a row's bits alone (`padding_invariant_attention`), else decode steps attend one session at a time.
 """
 
 from __future__ import annotations
