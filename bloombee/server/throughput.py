@@ -90,17 +90,18 @@ def invariance_slowdown(backend: BlockBackend, chunks: ChunkRange, key: str,
     """How much computing the blocks' matmuls in chunks of `chunks` rows slows a batch-1 decode step or a prompt of
     PROMPT_PROBE_TOKENS tokens here, whichever it slows more (measured once per `key`)."""
 
-    def timings() -> tuple[float, float]:
-        return 1 / measure_block_throughput(backend), _fastest_prompt_seconds(backend, PROMPT_PROBE_TOKENS)
+    def figures() -> tuple[float, float]:
+        """Decode steps/s at batch 1 and the prompt's seconds."""
+        return measure_block_throughput(backend), _fastest_prompt_seconds(backend, PROMPT_PROBE_TOKENS)
 
     def measure() -> float:
-        plain = timings()
+        plain_rate, plain_seconds = figures()
         chunk_linear_rows(backend.stack, chunks)
         try:
-            chunked = timings()
+            chunked_rate, chunked_seconds = figures()
         finally:
             unchunk_linear_rows(backend.stack)
-        return max(after / before for before, after in zip(plain, chunked))
+        return max(plain_rate / chunked_rate, chunked_seconds / plain_seconds)
 
     return float(cached(cache_path, f"{key}|invariance{chunks.floor}-{chunks.ceiling}|p{PROMPT_PROBE_TOKENS}", measure))
 
