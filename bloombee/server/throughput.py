@@ -72,10 +72,12 @@ def measured_row_range(backend: BlockBackend, key: str,
 
 
 def _fastest_prompt_seconds(backend: BlockBackend, tokens: int) -> float:
-    """Seconds of a one-row prompt of `tokens` tokens through all the backend's blocks, the fastest of ROUNDS."""
+    """Seconds of a one-row prompt of `tokens` tokens through all the backend's blocks, the fastest of ROUNDS (after
+    one that warms up)."""
     hidden = torch.randn(1, tokens, backend.hidden_size, generator=torch.Generator().manual_seed(0)).to(backend.dtype)
+    backend.step(backend.new_session("prompt-probe", backend.start, backend.end, 1, tokens), hidden, 0, 0, None, None)
     best = float("inf")
-    for _ in range(ROUNDS + 1):  # the first round warms up
+    for _ in range(ROUNDS):
         session = backend.new_session("prompt-probe", backend.start, backend.end, 1, tokens)
         began = time.perf_counter()
         backend.step(session, hidden, 0, 0, None, None)
