@@ -104,11 +104,30 @@ def test_chunked_linear_layers_give_a_row_the_same_bits_among_any_number_of_rows
                 assert torch.equal(layer(torch.cat([others[:where], probe, others[where:rows - 1]]))[where], alone)
 
 
-def test_rows_go_in_chunks_of_the_range():
-    assert chunk_sizes(1100, ChunkRange(4, 512)) == [512, 512, 64, 8, 4]
-    assert chunk_sizes(3, ChunkRange(1, 512)) == [4] and chunk_sizes(6, ChunkRange(1, 512)) == [8]
-    assert chunk_sizes(10, ChunkRange(4, 512)) == [8, 4] and chunk_sizes(10, ChunkRange(16, 512)) == [16]
-    assert chunk_sizes(100, ChunkRange(1, 32)) == [32, 32, 32, 4]
+def timed_range(floor: int, ceiling: int, call_s: float, row_s: float) -> ChunkRange:
+    """A chunk range whose matmuls take `call_s` seconds each and `row_s` more per row."""
+    sizes = [size for size in CHUNK_SIZES if floor <= size <= ceiling]
+    return ChunkRange(floor, ceiling, tuple(call_s + row_s * size for size in sizes))
+
+
+def test_rows_go_in_chunks_of_the_range_padded_where_that_is_faster():
+    per_row = timed_range(4, 512, 1e-6, 1e-6)  # a row costs as much as a call: left-over rows split
+    assert chunk_sizes(1100, per_row) == (512, 512, 64, 8, 4)
+    assert chunk_sizes(10, per_row) == (8, 4) and chunk_sizes(10, timed_range(16, 512, 1e-6, 1e-6)) == (16,)
+    per_call = timed_range(1, 512, 40e-6, 0.1e-6)  # a bfloat16 matmul of a small model on a CPU: rows nearly free
+    assert chunk_sizes(3, per_call) == (4,) and chunk_sizes(48, per_call) == (64,)
+    assert chunk_sizes(1100, per_call) == (512, 512, 128) and chunk_sizes(300, per_call) == (512,)
+    assert chunk_sizes(48, timed_range(1, 512, 40e-6, 0.5e-6)) == (64,)
+    assert chunk_sizes(300, timed_range(1, 512, 40e-6, 0.5e-6)) == (256, 64)
+    assert chunk_sizes(100, timed_range(1, 32, 40e-6, 0.1e-6)) == (32, 32, 32, 4)
+
+
+def test_the_range_measures_its_matmuls_at_every_size():
+    stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.bfloat16)
+    chunks = row_range(stack, torch.bfloat16, torch.device("cpu"))
+    assert chunks is not None
+    assert len(chunks.seconds) == chunks.ceiling.bit_length() - chunks.floor.bit_length() + 1
+    assert all(seconds > 0 for seconds in chunks.seconds)
 
 
 def test_the_range_chosen_pads_a_decode_step_least_while_its_chunks_stay_large():
@@ -119,17 +138,17 @@ def test_the_range_chosen_pads_a_decode_step_least_while_its_chunks_stay_large()
         return {(first, last) for low, high in classes for first in range(index[low], index[high] + 1)
                 for last in range(first, index[high] + 1)}
 
-    assert choose_range(runs((1, 512))) == ChunkRange(1, 512)
-    assert choose_range(runs((1, 1), (2, 8), (16, 512))) == ChunkRange(16, 512)  # float32 on one CPU here
-    assert choose_range(runs((1, 32), (64, 256), (512, 512))) == ChunkRange(1, 32)  # bfloat16, hidden 2048
-    assert choose_range(runs((1, 4), (8, 16))) == ChunkRange(8, 16)
+    assert choose_range(runs((1, 512))) == (1, 512)
+    assert choose_range(runs((1, 1), (2, 8), (16, 512))) == (16, 512)  # float32 on one CPU here
+    assert choose_range(runs((1, 32), (64, 256), (512, 512))) == (1, 32)  # bfloat16, hidden 2048
+    assert choose_range(runs((1, 4), (8, 16))) == (8, 16)
     assert choose_range(set()) is None
 
 
 def test_chunking_is_undone_for_a_server_that_finds_it_too_slow():
     stack = load_block_stack(resolve_model("bloombee-tiny"), 0, 1, dtype=torch.float32)
     layer = stack.blocks[0].mlp.down_proj
-    chunk_linear_rows(stack, ChunkRange(4, 512))
+    chunk_linear_rows(stack, timed_range(4, 512, 1e-6, 1e-6))
     assert "forward" in vars(layer)
     unchunk_linear_rows(stack)
     assert "forward" not in vars(layer) and type(layer).forward is torch.nn.Linear.forward

@@ -63,12 +63,13 @@ def measured_row_range(backend: BlockBackend, key: str,
                        cache_path: Path = CACHE_DIR / "throughput.json") -> ChunkRange | None:
     """`row_range` of the backend's blocks with this process's threads (measured once per `key` and thread count)."""
 
-    def measure() -> list[int] | None:
+    def measure() -> dict | None:
         chunks = row_range(backend.stack, backend.dtype, backend.device)
-        return None if chunks is None else [chunks.floor, chunks.ceiling]
+        return None if chunks is None else {"floor": chunks.floor, "ceiling": chunks.ceiling,
+                                            "seconds": list(chunks.seconds)}
 
-    bounds = cached(cache_path, f"{key}|rowrange|t{torch.get_num_threads()}", measure)
-    return None if bounds is None else ChunkRange(*bounds)
+    found = cached(cache_path, f"{key}|chunks|t{torch.get_num_threads()}", measure)
+    return None if found is None else ChunkRange(found["floor"], found["ceiling"], tuple(found["seconds"]))
 
 
 def _fastest_prompt_seconds(backend: BlockBackend, tokens: int) -> float:

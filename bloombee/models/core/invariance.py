@@ -6,8 +6,11 @@ matmul of 1 row, of 2-3 rows and of 10 rows round a row differently, while matmu
 row the same bits wherever it sits among them; on another, float32 matmuls of 1, of 2-8 and of 16-512 rows round
 three ways, and bfloat16 ones of hidden 2048 alike from 1 to 32 rows but not above. So each process measures, for
 the linear layers it computes with, a run of power-of-two row counts that all round a row alike (`row_range`), and
-computes every matmul as chunks of such sizes, the last padded with zero rows (`chunk_linear_rows`): then a row comes
-out the same alone, in a micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Where
+computes every matmul as chunks of such sizes (`chunk_linear_rows`): then a row comes out the same alone, in a
+micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Rows left over after the largest
+chunks go as smaller chunks or as one chunk padded with zero rows, whichever the layers' times at each size, measured
+with the range, say is faster: a bfloat16 matmul of a small model takes about as long for 64 rows as for 16 on a CPU,
+a float32 one of hidden 2048 four times as long. Where
 no such run exists the mode cannot hold, and the caller says so. Two more things round a row by its company and are
 fixed the same way: an activation's exp or tanh rounds differently in a vectorised loop's scalar tail than in its
 body (so activations see rows padded to whole vector strides), and attention over a tree's 15 queries and its key
@@ -18,7 +21,10 @@ leave a row's bits alone (`padding_invariant_attention`), else decode steps atte
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -36,28 +42,34 @@ MIN_CEILING = 32  # rows of the largest chunk a run needs to be chosen over one 
 # then takes at most 64 matmuls a layer)
 PROBED_LENGTHS = ((1, 64, 65, 200), (40, 41, 63, 130), (700, 3, 70, 1030))  # key slots of decode steps batched
 LANES = 64  # elements: a multiple of any CPU vector loop's stride (AVX-512, unrolled twice: 32 float32 values)
-PAD_UP_TO = 8  # rows left over that one padded matmul computes faster than a chunk per power of two
 CHUNK_SIZES = tuple(1 << power for power in range(MAX_CHUNK.bit_length()))  # 1, 2, 4, ... MAX_CHUNK
 
 
-def _distinct_linears(module: nn.Module) -> list[nn.Linear]:
-    """One linear layer of each kind and shape in `module`."""
-    seen, layers = set(), []
+def _linear_kind(layer: nn.Linear) -> tuple:
+    return type(layer), layer.in_features, layer.out_features, layer.bias is not None
+
+
+def _distinct_linears(module: nn.Module) -> dict[nn.Linear, int]:
+    """One linear layer of each kind and shape in `module`, and how many `module` holds of that kind."""
+    counts = Counter(_linear_kind(layer) for layer in module.modules() if isinstance(layer, nn.Linear))
+    layers = {}
     for layer in module.modules():
-        if isinstance(layer, nn.Linear):
-            key = (type(layer), layer.in_features, layer.out_features, layer.bias is not None)
-            if key not in seen:
-                seen.add(key)
-                layers.append(layer)
+        if isinstance(layer, nn.Linear) and _linear_kind(layer) in counts:
+            layers[layer] = counts.pop(_linear_kind(layer))
     return layers
 
 
 @dataclass(frozen=True)
 class ChunkRange:
-    """Power-of-two row counts from `floor` to `ceiling` whose matmuls give a row the same bits wherever it sits."""
+    """Power-of-two row counts from `floor` to `ceiling` whose matmuls give a row the same bits wherever it sits, and
+    the seconds all the linear layers take at each of them (`seconds[i]`: `floor << i` rows), where they run."""
 
     floor: int
     ceiling: int
+    seconds: tuple[float, ...]
+
+    def cost(self, size: int) -> float:
+        return self.seconds[size.bit_length() - self.floor.bit_length()]
 
 
 def _probe_output(layer: nn.Linear, inputs: torch.Tensor, size: int) -> torch.Tensor | None:
@@ -81,48 +93,84 @@ def _alike_runs(outputs: list[torch.Tensor | None]) -> set[tuple[int, int]]:
     return runs
 
 
-def choose_range(runs: set[tuple[int, int]]) -> ChunkRange | None:
-    """Of runs of CHUNK_SIZES (first, last indices) that round alike, the one with the smallest floor (a decode step
-    pads least) among those whose ceiling reaches MIN_CEILING, else the one with the largest ceiling."""
+def choose_range(runs: set[tuple[int, int]]) -> tuple[int, int] | None:
+    """Of runs of CHUNK_SIZES (first, last indices) that round alike, the (floor, ceiling) of the one with the smallest
+    floor (a decode step pads least) among those whose ceiling reaches MIN_CEILING, else of the one with the largest
+    ceiling."""
     if not runs:
         return None
     wide = [(first, last) for first, last in runs if CHUNK_SIZES[last] >= MIN_CEILING]
     first, last = (min(wide, key=lambda run: (run[0], -run[1])) if wide
                    else max(runs, key=lambda run: (run[1], -run[0])))
-    return ChunkRange(CHUNK_SIZES[first], CHUNK_SIZES[last])
+    return CHUNK_SIZES[first], CHUNK_SIZES[last]
 
 
 @torch.inference_mode()
 def row_range(module: nn.Module, dtype: torch.dtype, device: torch.device) -> ChunkRange | None:
     """The power-of-two row counts (up to MAX_CHUNK) that `module`'s linear layers compute a row alike among, with
-    this process's threads (`choose_range` of the runs every layer rounds alike); None where no run does."""
+    this process's threads (`choose_range` of the runs every layer rounds alike), and their seconds at each; None
+    where no run does."""
     generator = torch.Generator().manual_seed(0)
-    common = None
-    for layer in _distinct_linears(module):
-        inputs = torch.randn(MAX_CHUNK + 1, layer.in_features, generator=generator).to(device, dtype)
-        runs = _alike_runs([_probe_output(layer, inputs, size) for size in CHUNK_SIZES])
+    layers = _distinct_linears(module)
+    common, inputs = None, {}
+    for layer in layers:
+        inputs[layer] = torch.randn(MAX_CHUNK + 1, layer.in_features, generator=generator).to(device, dtype)
+        runs = _alike_runs([_probe_output(layer, inputs[layer], size) for size in CHUNK_SIZES])
         common = runs if common is None else common & runs
-    return choose_range(common or set())
+    bounds = choose_range(common or set())
+    if bounds is None:
+        return None
+    sizes = [size for size in CHUNK_SIZES if bounds[0] <= size <= bounds[1]]
+    return ChunkRange(*bounds, tuple(sum(count * _matmul_seconds(layer, inputs[layer][:size])
+                                         for layer, count in layers.items()) for size in sizes))
 
 
-def chunk_sizes(rows: int, chunks: ChunkRange) -> list[int]:
-    """The matmul sizes `rows` rows are computed in: the range's ceiling while more are left, then the largest power
-    of two that fits, until at most PAD_UP_TO are left: those go as one chunk padded to a power of two, at least the
-    range's floor."""
-    sizes = []
-    while rows > 0:
-        fitting = 1 << (rows.bit_length() - 1)
-        size = min(chunks.ceiling, max(chunks.floor, fitting if rows > PAD_UP_TO or fitting == rows else fitting * 2))
-        sizes.append(size)
-        rows -= size
-    return sizes
+def _matmul_seconds(layer: nn.Linear, rows: torch.Tensor) -> float:
+    """Seconds of `layer` on `rows`: the faster of two calls after one that warms up."""
+    layer(rows)
+    return min(_timed(layer, rows) for _ in range(2))
+
+
+def _timed(layer: nn.Linear, rows: torch.Tensor) -> float:
+    _synchronize(rows.device)
+    began = time.perf_counter()
+    layer(rows)
+    _synchronize(rows.device)
+    return time.perf_counter() - began
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_sizes(rows: int, chunks: ChunkRange) -> tuple[int, ...]:
+    """The matmul sizes `rows` rows are computed in: the range's ceiling while more are left, then the cheapest cover
+    of the rest by the range's measured seconds (`_cheapest_cover`)."""
+    full, rest = divmod(rows, chunks.ceiling)
+    return (chunks.ceiling,) * full + (_cheapest_cover(rest, chunks)[1] if rest else ())
+
+
+def _cheapest_cover(rows: int, chunks: ChunkRange) -> tuple[float, tuple[int, ...]]:
+    """(seconds, sizes) of the faster of two ways to compute `rows` rows (fewer than the range's ceiling): one chunk
+    padded to a power of two, at least the range's floor; or a chunk of the largest power of two that fits, then the
+    cheapest cover of the rest."""
+    padded = max(chunks.floor, 1 << (rows - 1).bit_length())
+    pad = chunks.cost(padded), (padded,)
+    fitting = 1 << (rows.bit_length() - 1)
+    if fitting == rows or fitting < chunks.floor:
+        return pad
+    seconds, rest = _cheapest_cover(rows - fitting, chunks)
+    split = chunks.cost(fitting) + seconds, (fitting, *rest)
+    return split if split[0] < pad[0] else pad
 
 
 def _chunked(forward, chunks: ChunkRange):
     def chunked_forward(x: torch.Tensor, *args) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         sizes = chunk_sizes(rows, chunks)
-        if sizes == [rows]:
+        if sizes == (rows,):
             return forward(x, *args)
         flat = x.reshape(rows, x.shape[-1])
         outputs, start = [], 0
