@@ -4,13 +4,14 @@ BLAS libraries choose how to split a matmul (kernels, tiles, threads), and with 
 adds up, by its number of rows. On one of this project's x86 CPUs (MKL and oneDNN, one or two threads) a float32
 matmul of 1 row, of 2-3 rows and of 10 rows round a row differently, while matmuls of 4, 8, 16, ... 512 rows give a
 row the same bits wherever it sits among them; on another, float32 matmuls of 1, of 2-8 and of 16-512 rows round
-three ways, and bfloat16 ones of hidden 2048 alike from 1 to 32 rows but not above. So each process measures, for
+three ways, and bfloat16 ones alike from 1 to 32 rows but not above (bloombee-tiny's down projection rounds a few
+values otherwise at 64 and 128 rows, and again alike at 256 and 512). So each process measures, for
 the linear layers it computes with, a run of power-of-two row counts that all round a row alike (`row_range`), and
 computes every matmul as chunks of such sizes (`chunk_linear_rows`): then a row comes out the same alone, in a
 micro-batch, in a speculative tree or in a forward shared with other sessions' steps. Rows left over after the largest
 chunks go as smaller chunks or as one chunk padded with zero rows, whichever the layers' times at each size, measured
-with the range, say is faster: a bfloat16 matmul of a small model takes about as long for 64 rows as for 16 on a CPU,
-a float32 one of hidden 2048 four times as long. Where
+with the range, say is faster: on this project's CPUs a float32 matmul of bloombee-tiny takes twice as long for 64
+rows as for 16, one of hidden 2048 nearly twice as long, and a bfloat16 one as long. Where
 no such run exists the mode cannot hold, and the caller says so. Two more things round a row by its company and are
 fixed the same way: an activation's exp or tanh rounds differently in a vectorised loop's scalar tail than in its
 body (so activations see rows padded to whole vector strides), and attention over a tree's 15 queries and its key
@@ -51,12 +52,11 @@ def _linear_kind(layer: nn.Linear) -> tuple:
 
 def _distinct_linears(module: nn.Module) -> dict[nn.Linear, int]:
     """One linear layer of each kind and shape in `module`, and how many `module` holds of that kind."""
-    counts = Counter(_linear_kind(layer) for layer in module.modules() if isinstance(layer, nn.Linear))
-    layers = {}
-    for layer in module.modules():
-        if isinstance(layer, nn.Linear) and _linear_kind(layer) in counts:
-            layers[layer] = counts.pop(_linear_kind(layer))
-    return layers
+    linears = [layer for layer in module.modules() if isinstance(layer, nn.Linear)]
+    counts, firsts = Counter(map(_linear_kind, linears)), {}
+    for layer in linears:
+        firsts.setdefault(_linear_kind(layer), layer)
+    return {layer: counts[kind] for kind, layer in firsts.items()}
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,21 @@ class ChunkRange:
         return self.seconds[size.bit_length() - self.floor.bit_length()]
 
 
-def _probe_output(layer: nn.Linear, inputs: torch.Tensor, size: int) -> torch.Tensor | None:
-    """The probe row's (inputs[0]) output in a matmul of `size` rows, where it comes out the same at the first,
-    middle and last row; None where it does not."""
-    rows, where = inputs[1:size + 1].clone(), sorted({0, size // 2, size - 1})
-    rows[where] = inputs[0]
+def _size_output(layer: nn.Linear, inputs: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The output of all but the last row of `inputs` computed in matmuls of `size` rows; None where the last row
+    comes out otherwise at the first, middle and last row of one such matmul. A kernel that adds a dot product up
+    in another order changes a bfloat16 output only where its float32 sums straddle a rounding step, a few values
+    in 100,000: hence every output of MAX_CHUNK rows, not one row's, tells two sizes apart."""
+    rows, where = inputs[:size].clone(), sorted({0, size // 2, size - 1})
+    rows[where] = inputs[-1]
     out = layer(rows)
-    return out[0] if all(torch.equal(out[index], out[0]) for index in where) else None
+    if not all(torch.equal(out[index], out[0]) for index in where):
+        return None
+    return torch.cat([layer(chunk) for chunk in inputs[:-1].split(size)])
 
 
 def _alike_runs(outputs: list[torch.Tensor | None]) -> set[tuple[int, int]]:
-    """(first, last) indices of every run of CHUNK_SIZES whose outputs of the probe row are all equal."""
+    """(first, last) indices of every run of CHUNK_SIZES whose outputs are all equal."""
     runs = set()
     for first, reference in enumerate(outputs):
         last = first
@@ -115,7 +119,7 @@ def row_range(module: nn.Module, dtype: torch.dtype, device: torch.device) -> Ch
     common, inputs = None, {}
     for layer in layers:
         inputs[layer] = torch.randn(MAX_CHUNK + 1, layer.in_features, generator=generator).to(device, dtype)
-        runs = _alike_runs([_probe_output(layer, inputs[layer], size) for size in CHUNK_SIZES])
+        runs = _alike_runs([_size_output(layer, inputs[layer], size) for size in CHUNK_SIZES])
         common = runs if common is None else common & runs
     bounds = choose_range(common or set())
     if bounds is None:
@@ -126,8 +130,7 @@ def row_range(module: nn.Module, dtype: torch.dtype, device: torch.device) -> Ch
 
 
 def _matmul_seconds(layer: nn.Linear, rows: torch.Tensor) -> float:
-    """Seconds of `layer` on `rows`: the faster of two calls after one that warms up."""
-    layer(rows)
+    """Seconds of `layer` on `rows` (a row count the probe has met, so set up): the faster of two calls."""
     return min(_timed(layer, rows) for _ in range(2))
 
 
