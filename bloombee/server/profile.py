@@ -20,6 +20,7 @@ from bloombee import codec
 from bloombee.host import cpu_share, latency_ms
 from bloombee.loading import load_block_stack, resolve_model
 from bloombee.models.core.quantize import check_supported
+from bloombee.models.core.timing import call_seconds
 from bloombee.planner import NodeSpec
 from bloombee.progress import progress
 from bloombee.server.backend import BlockBackend
@@ -35,16 +36,9 @@ ROUNDS, REPEATS = 3, 2  # every size is timed REPEATS times in each of ROUNDS pa
 PROFILE_VERSION = 8  # part of the cache key: figures measured by an older method are measured again
 
 
-def _times_ms(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> list[float]:
-    """Milliseconds of each of `repeats` calls of `run` (device work included)."""
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(1e3 * (time.perf_counter() - began))
-    return times
+def _times_ms(run: Callable[[], object], device: torch.device) -> list[float]:
+    """Milliseconds of each of REPEATS calls of `run` (device work included)."""
+    return [1e3 * seconds for seconds in call_seconds(run, device, REPEATS)]
 
 
 def _decode_ms(backend: BlockBackend, batch: int) -> list[float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from torch import nn
 from bloombee.models.core.kv_cache import KVCache
 from bloombee.models.core.masks import causal_mask
 from bloombee.models.core.packing import Segment, granule_slots, pack
+from bloombee.models.core.timing import call_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -131,20 +131,7 @@ def row_range(module: nn.Module, dtype: torch.dtype, device: torch.device) -> Ch
 
 def _matmul_seconds(layer: nn.Linear, rows: torch.Tensor) -> float:
     """Seconds of `layer` on `rows` (a row count the probe has met, so set up): the faster of two calls."""
-    return min(_timed(layer, rows) for _ in range(2))
-
-
-def _timed(layer: nn.Linear, rows: torch.Tensor) -> float:
-    _synchronize(rows.device)
-    began = time.perf_counter()
-    layer(rows)
-    _synchronize(rows.device)
-    return time.perf_counter() - began
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return min(call_seconds(lambda: layer(rows), rows.device, 2))
 
 
 @functools.lru_cache(maxsize=4096)
