@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 
 import torch
+
+from bloombee.models.core.timing import call_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,7 @@ def faster_dtype(weight: torch.Tensor, rows: int, repeats: int = 5) -> torch.dty
     for dtype in CANDIDATES:
         converted = weight.to(dtype)
         hidden = torch.randn(rows, converted.shape[1], device=converted.device, dtype=dtype)
-        seconds = []
-        for _ in range(repeats + 1):
-            began = time.perf_counter()
-            torch.nn.functional.linear(hidden, converted)
-            if converted.device.type == "cuda":
-                torch.cuda.synchronize(converted.device)
-            seconds.append(time.perf_counter() - began)
+        seconds = call_seconds(lambda: torch.nn.functional.linear(hidden, converted), converted.device, repeats + 1)
         timings[dtype] = statistics.median(seconds[1:])
     chosen = min(timings, key=timings.get)
     logger.debug("%s x %d rows: %.3f ms float32, %.3f ms bfloat16", list(weight.shape), rows,
