@@ -7,12 +7,18 @@ import torch
 
 
 def call_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls of `run`, each until `device` has finished its work."""
+    """Seconds of each of `repeats` calls of `run`, each until `device` has finished its work (work queued before the
+    first call is not counted)."""
+    _synchronize(device)
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append(time.perf_counter() - began)
     return times
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
