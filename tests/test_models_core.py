@@ -52,6 +52,40 @@ def test_kv_cache_bounds():
         cache.update(torch.tensor([0]), torch.zeros(1, 1, 1, 3), torch.zeros(1, 1, 1, 3), length=5)
 
 
+def test_kv_cache_write_step_writes_and_reads_as_update_does():
+    cache, twin = KVCache(3, 2, 64, 4), KVCache(3, 2, 64, 4)
+    for slot in range(3):  # the same kept views step after step
+        k, v = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+        step_keys, step_values = cache.write_step(torch.tensor([slot]), k, v, batch_offset=1, length=64)
+        keys, values = twin.update(torch.tensor([slot]), k, v, batch_offset=1, length=64)
+        assert torch.equal(step_keys, keys) and torch.equal(step_values, values)
+    assert torch.equal(cache.k, twin.k) and torch.equal(cache.v, twin.v)
+    longer = cache.write_step(torch.tensor([3]), k, v, batch_offset=1, length=128)[0]  # a longer cache's company
+    assert longer.shape == (2, 2, 128, 4) and torch.equal(longer[:, :, :64], cache.k[1:]) and not longer[:, :, 64:].any()
+    with pytest.raises(ValueError, match="rows \\[2, 4\\)"):
+        cache.write_step(torch.tensor([0]), k, v, batch_offset=2, length=64)
+
+
+@pytest.mark.parametrize("width", [16, 24, 32, 80, 128])
+def test_rotation_of_packed_steps_equals_each_steps_own(width):
+    """The packed forward computes cos and sin for all its steps' positions at once: each row's must be what the
+    step alone gets, or a step's result would depend on its company."""
+    from transformers import LlamaConfig
+
+    from bloombee.models.core import RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=4 * width, num_attention_heads=4,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    rotary = RotaryEmbedding(config, width)
+    assert rotary.fixed_frequencies
+    positions = torch.tensor([0, 17, 3, 4, 5, 900, 41])
+    for dtype in (torch.float32, torch.bfloat16):
+        together = rotary(positions, dtype)
+        for index in range(positions.numel()):
+            alone = rotary(positions[index:index + 1], dtype)
+            assert all(torch.equal(whole[index], part[0]) for whole, part in zip(together, alone))
+
+
 @pytest.mark.parametrize("rope", [
     dict(rope_type="default", rope_theta=10000.0),
     dict(rope_type="linear", rope_theta=10000.0, factor=4.0),

@@ -73,13 +73,14 @@ class _AttentionBase(nn.Module):
         """The one-token steps' attention as one batch (`packing.DecodeBatch`): each step's key and value written to
         its cache, then every row over its cache's first `length` slots, gathered -> [B, heads x value dim]."""
         decode = packing.decode
+        steps = [t[decode.vectors].unsqueeze(2).split(decode.row_counts) for t in (k, v)]
         keys, values = [], []
-        k, v = k.unsqueeze(2), v.unsqueeze(2)
-        for index in decode.members:
-            segment, cache, part = packing.segments[index], caches[index], packing.slices[index]
-            rows = cache.write(segment.cache_positions, k[part], v[part], segment.batch_offset)
-            keys.append(_first_slots(cache.k, rows, decode.length))
-            values.append(_first_slots(cache.v, rows, decode.length))
+        for index, k_step, v_step in zip(decode.members, *steps):
+            segment = packing.segments[index]
+            prefix = caches[index].write_step(segment.cache_positions, k_step, v_step, segment.batch_offset,
+                                              decode.length)
+            keys.append(prefix[0])
+            values.append(prefix[1])
         keys, values = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (keys, values))
         queries = q[decode.vectors].unsqueeze(2)
         if not self.eager_one_token:
@@ -210,13 +211,6 @@ class _AttentionBase(nn.Module):
 
         return torch.stack([torch.stack([alone(row, node) for node in range(q.shape[2])], dim=1)
                             for row in range(q.shape[0])])
-
-
-def _first_slots(tensor: torch.Tensor, rows: slice, length: int) -> torch.Tensor:
-    """Rows `rows` of a cache [b, kv, capacity, d] cut or padded (zeros, which their masks hide) to `length` slots."""
-    if tensor.shape[2] >= length:
-        return tensor[rows, :, :length]
-    return F.pad(tensor[rows], (0, 0, 0, length - tensor.shape[2]))
 
 
 def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 # (q, k, v, mask, first_head) -> out, q's heads being the block's heads from first_head on
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -38,6 +39,7 @@ class KVCache:
         options = dict(dtype=dtype, device=device, pin_memory=pin_memory)
         self.k = torch.zeros(*shape, head_dim, **options)
         self.v = torch.zeros(*shape, value_dim or head_dim, **options)
+        self._step_views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # `write_step`'s, kept
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +74,30 @@ class KVCache:
         self.k[rows].index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
         self.v[rows].index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
         return rows
+
+    def write_step(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_offset: int,
+                   length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for one-token steps, whose rows and read length repeat step after step: the views it writes
+        and reads are made once per (rows, length) and kept, which saves a batched forward a few tensor operations
+        per step and block. Slots past the cache's capacity read as zeros (a longer cache's company)."""
+        views = self._step_views.get((batch_offset, k.shape[0], length))
+        if views is None:
+            views = self._step_views[batch_offset, k.shape[0], length] = self._step_views_of(batch_offset, k.shape[0],
+                                                                                                length)
+        k_rows, v_rows, k_prefix, v_prefix = views
+        k_rows.index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
+        v_rows.index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
+        if length > self.max_length:
+            return tuple(F.pad(rows, (0, 0, 0, length - self.max_length)) for rows in (k_rows, v_rows))
+        return k_prefix, v_prefix
+
+    def _step_views_of(self, batch_offset: int, rows: int, length: int) -> tuple[torch.Tensor, ...]:
+        """Rows [batch_offset, + rows) of the keys and values, and the same cut to `length` slots."""
+        if batch_offset < 0 or batch_offset + rows > self.batch_size:
+            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + rows}) are outside the cache's "
+                             f"{self.batch_size} rows; allocate the cache for the full batch.")
+        k_rows, v_rows = self.k[batch_offset:batch_offset + rows], self.v[batch_offset:batch_offset + rows]
+        return k_rows, v_rows, k_rows[:, :, :length], v_rows[:, :, :length]
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i takes what row ``rows[i]`` held (beam search's hypotheses)."""

@@ -72,6 +72,11 @@ class RotaryEmbedding(nn.Module):
         """The layer type transformers' rope functions take, where the config keeps parameters per layer type."""
         return {} if self.layer_type is None else {"layer_type": self.layer_type}
 
+    @property
+    def fixed_frequencies(self) -> bool:
+        """Whether the frequencies are the same whatever the positions (not a dynamic or long rope's)."""
+        return self.rope_type not in ("dynamic", "longrope")
+
     def _inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
         if self.rope_type == "longrope":
             return self.long_inv_freq if int(positions.max()) + 1 > self.original_max_length else self.inv_freq

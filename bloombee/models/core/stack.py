@@ -131,8 +131,10 @@ class BlockStack(nn.Module):
     @staticmethod
     def _rotation(rotary: RotaryEmbedding, dtype: torch.dtype, rope_positions: torch.Tensor,
                   segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the packed positions, per segment: a dynamic rope scales by the segment's own longest
-        position."""
+        """cos, sin of the packed positions: in one call where the frequencies are the same at every position, per
+        segment otherwise (a dynamic or long rope scales by the segment's own longest position)."""
+        if rotary.fixed_frequencies:
+            return rotary(rope_positions, dtype)
         parts = [rotary(rope_positions[part], dtype) for part in segment_slices(segments)]
         cos, sin = (torch.cat(halves) if len(parts) > 1 else halves[0] for halves in zip(*parts))
         return cos, sin
