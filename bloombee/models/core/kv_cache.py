@@ -80,11 +80,10 @@ class KVCache:
         """`update` for one-token steps, whose rows and read length repeat step after step: the views it writes
         and reads are made once per (rows, length) and kept, which saves a batched forward a few tensor operations
         per step and block. Slots past the cache's capacity read as zeros (a longer cache's company)."""
-        views = self._step_views.get((batch_offset, k.shape[0], length))
-        if views is None:
-            views = self._step_views[batch_offset, k.shape[0], length] = self._step_views_of(batch_offset, k.shape[0],
-                                                                                                length)
-        k_rows, v_rows, k_prefix, v_prefix = views
+        key = (batch_offset, k.shape[0], length)
+        if key not in self._step_views:
+            self._step_views[key] = self._step_views_of(*key)
+        k_rows, v_rows, k_prefix, v_prefix = self._step_views[key]
         k_rows.index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
         v_rows.index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
         if length > self.max_length:
