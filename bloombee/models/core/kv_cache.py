@@ -66,13 +66,8 @@ class KVCache:
 
     def write(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_offset: int = 0) -> slice:
         """Write ``k, v`` ``[b, kv_heads, T, head_dim]`` at slots ``cache_positions`` ``[T]``; the rows written."""
-        b = k.shape[0]
-        if batch_offset < 0 or batch_offset + b > self.batch_size:
-            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + b}) are outside the cache's "
-                             f"{self.batch_size} rows; allocate the cache for the full batch.")
-        rows = slice(batch_offset, batch_offset + b)
-        self.k[rows].index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
-        self.v[rows].index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
+        rows = self._rows(batch_offset, k.shape[0])
+        self._write_into(self.k[rows], self.v[rows], cache_positions, k, v)
         return rows
 
     def write_step(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_offset: int,
@@ -82,21 +77,27 @@ class KVCache:
         per step and block. Slots past the cache's capacity read as zeros (a longer cache's company)."""
         key = (batch_offset, k.shape[0], length)
         if key not in self._step_views:
-            self._step_views[key] = self._step_views_of(*key)
+            rows = self._rows(batch_offset, k.shape[0])
+            k_rows, v_rows = self.k[rows], self.v[rows]
+            self._step_views[key] = k_rows, v_rows, k_rows[:, :, :length], v_rows[:, :, :length]
         k_rows, v_rows, k_prefix, v_prefix = self._step_views[key]
-        k_rows.index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
-        v_rows.index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
+        self._write_into(k_rows, v_rows, cache_positions, k, v)
         if length > self.max_length:
             return tuple(F.pad(rows, (0, 0, 0, length - self.max_length)) for rows in (k_rows, v_rows))
         return k_prefix, v_prefix
 
-    def _step_views_of(self, batch_offset: int, rows: int, length: int) -> tuple[torch.Tensor, ...]:
-        """Rows [batch_offset, + rows) of the keys and values, and the same cut to `length` slots."""
-        if batch_offset < 0 or batch_offset + rows > self.batch_size:
-            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + rows}) are outside the cache's "
+    def _rows(self, batch_offset: int, count: int) -> slice:
+        """Rows [batch_offset, + count); ValueError unless the cache has them."""
+        if batch_offset < 0 or batch_offset + count > self.batch_size:
+            raise ValueError(f"KV cache rows [{batch_offset}, {batch_offset + count}) are outside the cache's "
                              f"{self.batch_size} rows; allocate the cache for the full batch.")
-        k_rows, v_rows = self.k[batch_offset:batch_offset + rows], self.v[batch_offset:batch_offset + rows]
-        return k_rows, v_rows, k_rows[:, :, :length], v_rows[:, :, :length]
+        return slice(batch_offset, batch_offset + count)
+
+    def _write_into(self, k_rows: torch.Tensor, v_rows: torch.Tensor, cache_positions: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Write ``k, v`` at slots ``cache_positions`` of the cache's rows ``k_rows, v_rows``, in the cache's dtype."""
+        k_rows.index_copy_(2, cache_positions, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
+        v_rows.index_copy_(2, cache_positions, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i takes what row ``rows[i]`` held (beam search's hypotheses)."""
