@@ -10,9 +10,13 @@ import time
 import pytest
 import torch
 
+from hivemind.utils import get_dht_time
+
 from bloombee.client import AutoDistributedModel, MissingBlocksError
+from bloombee.dht.records import block_key
 from bloombee.models.core.packing import granule_slots
-from swarm_support import client, reference, save_tiny_llama, start_swarm
+from bloombee.server.announcing import EXPIRY_PERIODS, REFRESH_PERIODS
+from swarm_support import client, poll, reference, save_tiny_llama, start_swarm
 
 SESSION_BYTES = 4 * 2 * 2 * 16 * 4  # per token: 4 blocks x K and V x 2 KV heads x head_dim 16 x float32
 
@@ -31,6 +35,21 @@ def swarm(tmp_path_factory):
 
 def test_server_without_blocks_takes_the_uncovered_range(swarm):
     assert swarm.online_names() == {"first": (0, 4), "second": (4, 8)}
+
+
+def test_an_idle_server_announces_its_unchanged_record_only_when_its_refresh_is_due(swarm):
+    """"second" (--announce-period 1) checks its record every second; serving no one, it announces it again only
+    every REFRESH_PERIODS seconds, each announcement living EXPIRY_PERIODS seconds."""
+    def expiration() -> float:
+        (stored,) = swarm.dht.get(block_key(swarm.prefix, 4), latest=True).value.values()  # "second" alone serves 4
+        return stored.expiration_time
+
+    first = expiration()
+    poll(lambda: expiration() != first, REFRESH_PERIODS + 3, "a refreshed record")
+    refreshed = expiration()
+    assert EXPIRY_PERIODS - 2 < refreshed - get_dht_time() <= EXPIRY_PERIODS
+    time.sleep(REFRESH_PERIODS - 2)
+    assert expiration() == refreshed
 
 
 def test_idle_session_times_out_frees_cache_and_is_rebuilt(swarm):

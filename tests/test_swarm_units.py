@@ -9,6 +9,7 @@ from bloombee.codec import CODEC_VERSION
 from bloombee.dht.peers import binds_only_loopback, nat_traversal_enabled, start_dht
 from bloombee.dht.records import ServerRecord, ServerState, announce, block_key, fetch_records
 from bloombee.protocol import PROTOCOL_FEATURES, REQUIRED_FEATURES
+from bloombee.server.announcing import REFRESH_PERIODS, why_announce
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.settings import ClientSettings, ServerSettings, load_settings
 
@@ -179,6 +180,24 @@ def test_dht_records_round_trip_and_malformed_ones_are_ignored():
     finally:
         other.shutdown()
         dht.shutdown()
+
+
+def test_a_record_is_announced_when_clients_would_route_differently_or_its_refresh_is_due():
+    announced = record(0, 4).model_copy(update={"row_seconds": 1e-3, "busy_vectors": 4.0})
+    assert why_announce(None, announced, 0.0) == "first announcement"
+    assert why_announce(announced, announced, REFRESH_PERIODS - 0.1) is None
+    assert why_announce(announced, announced, REFRESH_PERIODS) == "refresh"
+    # measured figures wobble from forward to forward: announced again only when the predicted step time moves 10 %
+    assert why_announce(announced, announced.model_copy(update={"busy_vectors": 4.5, "throughput": 99.0}), 1) is None
+    assert why_announce(announced, announced.model_copy(update={"busy_vectors": 0.0}), 1).startswith("step time")
+    assert why_announce(announced, announced.model_copy(update={"throughput": 80.0}), 1).startswith("step time")
+    # the room clients route on, by more than 5 %; the free bytes move with it and are not compared themselves
+    assert why_announce(announced, announced.model_copy(update={"cache_tokens_left": 960, "device_free_bytes": 7}), 1) is None
+    assert why_announce(announced, announced.model_copy(update={"cache_tokens_left": 940}), 1) == (
+        "cache room 1000 -> 940 tokens")
+    assert why_announce(announced, announced.model_copy(update={"state": ServerState.OFFLINE}), 1) == "changed: state"
+    assert why_announce(announced, announced.model_copy(update={"maddrs": ("/ip4/127.0.0.1/tcp/1",)}), 1) == (
+        "changed: maddrs")
 
 
 def test_nat_traversal_is_never_on_for_loopback():

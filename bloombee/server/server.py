@@ -23,6 +23,7 @@ from bloombee.models.core.invariance import make_batch_invariant
 from bloombee.models.core.packing import KEY_GRANULE
 from bloombee.protocol import announced_features
 from bloombee.speculative.pruning import TreePruner
+from bloombee.server.announcing import EXPIRY_PERIODS, room_moved, why_announce
 from bloombee.server.backend import BlockBackend
 from bloombee.server.block_selection import block_coverage, choose_start_block, should_move
 from bloombee.server.handler import BlockServicer
@@ -45,11 +46,7 @@ from bloombee.weight_formats import QuantType
 
 logger = logging.getLogger(__name__)
 
-MIN_ANNOUNCE_GAP = 1.0  # seconds between two announcements when sessions come and go
-# a session's opening or closing is announced at once only when it moved the cache room clients route on by more than
-# this share of the room last announced: each announcement costs its server and the DHT 20-25 ms of CPU (measured
-# here), which small sessions coming and going would otherwise add to every step being computed around them
-ROOM_CHANGE = 0.05
+MIN_ANNOUNCE_GAP = 1.0  # seconds between two checks of the record when sessions come and go
 WARM_ROWS = 16  # decode steps of up to this many rows are warmed up at start (BlockBackend.warm_up)
 
 
@@ -84,7 +81,8 @@ class Server:
         self.state = ServerState.JOINING
         self._stop = asyncio.Event()
         self._sessions_changed = asyncio.Event()
-        self._announced_room = 0  # cache_tokens_left of the last announcement
+        self._announced: ServerRecord | None = None  # the record last announced, and when (time.monotonic())
+        self._announced_at = 0.0
         self.backend = self._load(*self._initial_range())
         self.registry = SessionRegistry(self._session_budget(), self._sessions_changed.set)
         self.profile = self._profile(Path(profile_path) if profile_path else None) if profile or profile_path else None
@@ -251,15 +249,24 @@ class Server:
                              "seconds": self.servicer.batcher.forward_seconds},
                 "kept_forwards": {"count": len(self.servicer.kept_forwards), "bytes": self.servicer.kept_forwards.nbytes}}
 
-    def _announce(self) -> None:
+    def _announce(self, record: ServerRecord | None = None) -> None:
         if not self.dht.is_alive():
             raise RuntimeError("the server's DHT process has ended; cannot announce")
-        expiration = get_dht_time() + 3 * self.settings.announce_period
-        record = self.record()
+        expiration = get_dht_time() + EXPIRY_PERIODS * self.settings.announce_period
+        record = self.record() if record is None else record
         announce(self.dht, self.prefix, record, expiration, self.settings.announce_timeout)
-        self._announced_room = record.cache_tokens_left
+        self._announced, self._announced_at = record, time.monotonic()
         announce_model(self.dht, self.prefix, ModelEntry(model=self.model_name, num_blocks=self.total_blocks), expiration,
                        self.settings.announce_timeout)
+
+    def _announce_if_due(self) -> None:
+        """Announce the record if clients would route differently on it than on the last one, or its refresh is due."""
+        record = self.record()
+        reason = why_announce(self._announced, record,
+                              (time.monotonic() - self._announced_at) / self.settings.announce_period)
+        if reason is not None:
+            logger.debug("Announcing the record: %s", reason)
+            self._announce(record)
 
     def _announce_offline(self) -> bool:
         """The last announcement; a failure is logged, since the server stops either way."""
@@ -292,26 +299,26 @@ class Server:
             logger.info("Announced offline and stopped" if announced else "Stopped without announcing offline")
 
     async def _maintain(self) -> None:
-        """Announce every announce_period, and sooner when sessions move the cache room; look for a better range every
-        rebalance_period when serving no one."""
+        """Check the record every announce_period, and sooner when sessions move the cache room, announcing it when
+        due (`announcing`); look for a better range every rebalance_period when serving no one."""
         loop = asyncio.get_running_loop()
         rebalanced_at = time.monotonic()
         while not self._stop.is_set():
             self._sessions_changed.clear()
             try:
-                await loop.run_in_executor(None, self._announce)
+                await loop.run_in_executor(None, self._announce_if_due)
             except TimeoutError:
                 logger.warning("An announcement took over %g s; trying again in %g s",
                                self.settings.announce_timeout, self.settings.announce_period)
-            await self._until_next_announcement()
+            await self._until_next_check()
             if self.blocks.start is None and time.monotonic() - rebalanced_at >= self.settings.rebalance_period:
                 rebalanced_at = time.monotonic()
                 await loop.run_in_executor(None, self._maybe_rebalance)
 
-    async def _until_next_announcement(self) -> None:
+    async def _until_next_check(self) -> None:
         """Wait announce_period, or until the stop or until sessions opening or closing moved the cache room by more
-        than ROOM_CHANGE (but at least MIN_ANNOUNCE_GAP seconds, so that the free memory clients route on is fresh
-        without flooding the DHT)."""
+        than `announcing.ROOM_CHANGE` (but at least MIN_ANNOUNCE_GAP seconds, so that the free memory clients route on
+        is fresh without flooding the DHT)."""
         began = time.monotonic()
         deadline = began + self.settings.announce_period
         while not self._stop.is_set() and time.monotonic() < deadline:
@@ -322,7 +329,7 @@ class Server:
             await asyncio.gather(*waits, return_exceptions=True)
             if self._sessions_changed.is_set():
                 self._sessions_changed.clear()
-                if abs(self._tokens_left() - self._announced_room) > ROOM_CHANGE * self._announced_room:
+                if room_moved(self._announced.cache_tokens_left if self._announced else 0, self._tokens_left()):
                     break
         gap = min(MIN_ANNOUNCE_GAP, self.settings.announce_period) - (time.monotonic() - began)
         if gap > 0 and not self._stop.is_set():
