@@ -58,7 +58,7 @@ class ServerSettings(BaseModel):
     kept_forward_timeout: float = Field(120.0, gt=0, description="seconds a forward kept for a backward waits for it "
                                         "before it is forgotten")
     announce_period: float = Field(5.0, gt=0, description="seconds between checks of the DHT record: announced when "
-                                   "what clients route on moved, and every 6 periods regardless")
+                                   "what clients route on moved, and every 2 periods regardless")
     rebalance_period: float = Field(60.0, gt=0, description="seconds between checks whether other blocks need us more")
     balance_quality: float = Field(1.25, ge=1.0, description="move to other blocks only if swarm throughput grows by this factor")
     compression: Literal["auto", "on", "off"] = Field("auto", description="compress activations on each hop: auto (when "

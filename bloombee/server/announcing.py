@@ -3,15 +3,16 @@
 Each announcement stores a signed record under every hosted block's key, which costs the server's DHT process and
 every DHT node that stores it tens of milliseconds of CPU; on a busy host that stalls every session's step at once
 (benchmarks/README.md). So a server checks its record every --announce-period and announces it only when a client
-would route differently on it, or when REFRESH_PERIODS periods have passed since the last announcement (the records
-expire EXPIRY_PERIODS periods after it, so one late refresh does not drop them).
+would route differently on it, or when REFRESH_PERIODS periods have passed since the last announcement. A record
+still lives EXPIRY_PERIODS periods: the records of a server that died without announcing its end go that soon (a
+client that routes through one loses time finding the server gone).
 """
 
 from bloombee.dht.records import ServerRecord
 from bloombee.planner.chain import block_forward_seconds
 
-REFRESH_PERIODS = 6  # announce periods after which an unchanged record is announced again
-EXPIRY_PERIODS = REFRESH_PERIODS + 2  # announce periods an announced record lives
+REFRESH_PERIODS = 2  # announce periods after which an unchanged record is announced again
+EXPIRY_PERIODS = 3  # announce periods an announced record lives
 ROOM_CHANGE = 0.05  # share of the cache room announced last by which the room must move to be announced early
 STEP_TIME_CHANGE = 0.1  # share by which the predicted forward time of a step must move to be announced early
 _ROOM = {"cache_tokens_left", "device_free_bytes", "host_free_bytes"}  # move as sessions open and close
