@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from hivemind.utils import get_dht_time
 
 from bloombee.client import AutoDistributedModel, MissingBlocksError
