@@ -119,6 +119,9 @@ class ClientSettings(BaseModel):
     request_timeout: float = Field(60.0, gt=0, description="longest wait for any one reply (info, forward, a step)")
     connect_timeout: float = Field(30.0, gt=0, description="seconds to start the DHT peer and join the swarm")
     open_timeout: float = Field(10.0, gt=0, description="seconds to open a session on one server")
+    shared_streams: Literal["on", "off"] = Field("on", description="on: carry all of this client's sessions on a "
+                                                 "server over one stream where the server announces shared_streams, "
+                                                 "what is ready at once as one message; off: a stream per session")
     step_timeout_min: float = Field(4.0, gt=0, description="a step (or a replay, or a history fetch) fails after "
                                     "max(this, step_timeout_factor x its expected time) seconds")
     step_timeout_factor: float = Field(3.0, ge=1.0, description="safety factor over a step's expected time (the "

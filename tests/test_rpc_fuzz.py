@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 
 from bloombee import codec
 from bloombee.client.loop import client_loop, run_sync
@@ -24,6 +25,7 @@ from bloombee.dht.peers import start_dht
 from bloombee.dht.records import fetch_records
 from bloombee.protocol import (BackwardMessage, ErrorKind, ForwardMessage, InfoMessage, Message, MessageKind, OpenMessage, OpenSession,
                                StepHeader, StepMessage, envelope, pack, unpack)
+from bloombee.protocol.bundles import MAX_MEMBERS, bundle, unbundle
 from bloombee.protocol.service import block_service_stub
 from bloombee.protocol.streams import queue_stream
 from swarm_support import NUM_BLOCKS, client, save_tiny_llama, start_swarm
@@ -280,6 +282,50 @@ class Fuzzer:
         assert (await stream.reply())[0].kind == MessageKind.OPENED
         return stream
 
+    # -- shared streams: bundles --------------------------------------------------------------
+
+    def bad_bundle(self) -> runtime_pb2.ExpertRequest:
+        """A bundle that is malformed as a whole: not a bundle, a bad header, or a member that is not an envelope."""
+        rng, lane = self.rng, uuid.uuid4().hex
+        request = bundle([(lane, self.opening(lane))])
+        spoil = rng.choice([
+            lambda: setattr(request, "uid", "step"),
+            lambda: setattr(request, "metadata", bad_metadata(rng, {"lanes": [lane]})),
+            lambda: setattr(request, "metadata", json.dumps({"lanes": [lane, lane]}).encode()),
+            lambda: setattr(request, "metadata", json.dumps({"lanes": [rng.choice(["", "x" * 129])]}).encode()),
+            lambda: setattr(request.tensors[0], "buffer", rng.choice([b"\x0a\xff", b"\xff\xff\xff", b"\x12\x05ab"])),
+            lambda: (request.tensors.extend(runtime_pb2.Tensor() for _ in range(MAX_MEMBERS)),
+                     setattr(request, "metadata", json.dumps({"lanes": [lane] * (MAX_MEMBERS + 1)}).encode())),
+        ])
+        spoil()
+        return request
+
+    async def one_bad_bundle(self) -> None:
+        stream = await Stream(self.stub.rpc_sessions).start(self.bad_bundle())
+        replies = await stream.close()
+        assert len(replies) == 1 and "malformed bundle on a shared stream" in replies[0].error, replies
+        assert_error(replies[0])
+
+    async def open_and_close_lane(self) -> None:
+        lane = uuid.uuid4().hex
+        stream = await Stream(self.stub.rpc_sessions).start(bundle([(lane, self.opening(lane))]))
+        [(opened_lane, opened)] = unbundle(await asyncio.wait_for(anext(stream.replies), TIMEOUT))
+        assert opened_lane == lane and unpack(opened)[0].kind == MessageKind.OPENED
+        stream.send(bundle([(lane, None)]))
+        stream.outbox.put_nowait(None)
+        rest = await asyncio.wait_for(collect(stream.replies), TIMEOUT)
+        assert [member for reply in rest for member in unbundle(reply)] == [(lane, None)]
+
+    async def fuzz_bundles(self) -> None:
+        for _ in range(PER_KIND // VALID_EVERY):
+            await asyncio.gather(self.open_and_close_lane(), *(self.one_bad_bundle() for _ in range(VALID_EVERY)))
+            self.sent["bundle"] += VALID_EVERY
+
+    @staticmethod
+    def opening(session_id: str) -> runtime_pb2.ExpertRequest:
+        return pack(OpenMessage(open=OpenSession(session_id=session_id, start_block=0, end_block=NUM_BLOCKS,
+                                                 max_length=8, batch_size=1)))
+
     # -- inference: steps, and pushes ---------------------------------------------------------
 
     def step(self, session_id: str, hidden: torch.Tensor, start: int, step_id: int | None = None, **tensors):
@@ -421,6 +467,7 @@ async def fuzz_all(fuzzer: Fuzzer, other: Fuzzer, info_keys: set[str], forward_i
     await fuzzer.fuzz_forward(forward_in, forward_out)
     await fuzz_backward(fuzzer, other, forward_in, backward_out)
     await fuzz_inference(fuzzer, other)
+    await fuzzer.fuzz_bundles()
 
 
 async def fuzz_backward(fuzzer: Fuzzer, other: Fuzzer, hidden: torch.Tensor, expected: torch.Tensor) -> None:
@@ -499,6 +546,10 @@ def swarm(tmp_path_factory):
         swarm.stop()
 
 
+async def collect(replies) -> list:
+    return [reply async for reply in replies]
+
+
 def server_peer(swarm) -> str:
     return next(peer_id for records in fetch_records(swarm.dht, swarm.prefix, NUM_BLOCKS) for peer_id in records)
 
@@ -507,9 +558,9 @@ def test_malformed_requests_get_typed_errors_and_change_nothing(swarm):
     torch.manual_seed(0)
     model, peer = client(swarm), server_peer(swarm)
     other_dht = start_dht(swarm.initial_peers, client_mode=True)
+    replicas = [run_sync(swarm.dht.replicate_p2p()), run_sync(other_dht.replicate_p2p())]
     try:
-        fuzzer = Fuzzer(run_sync(swarm.dht.replicate_p2p()), peer, seed=0)
-        other = Fuzzer(run_sync(other_dht.replicate_p2p()), peer, seed=1)
+        fuzzer, other = Fuzzer(replicas[0], peer, seed=0), Fuzzer(replicas[1], peer, seed=1)
         hidden = model.head.embed(torch.tensor([[5, 9, 2, 7, 1, 3, 8, 4]]))
         expected = client_round(model, hidden)
         forward_in = torch.randn(1, 5, HIDDEN)
@@ -529,9 +580,11 @@ def test_malformed_requests_get_typed_errors_and_change_nothing(swarm):
         fuzz.result()
         after = wait_for_sessions(fuzzer, 0)
     finally:
+        for replica in replicas:  # its daemon connection, closed on the loop it was opened on
+            run_sync(replica.shutdown())
         other_dht.shutdown()
     assert rounds >= 1 and fuzzer.sent == {kind: PER_KIND for kind in ("info", "forward", "backward", "open", "step",
-                                                                      "push")}
+                                                                      "push", "bundle")}
     assert after["kept_forwards"] == {"count": 0, "bytes": 0}
     assert swarm.server("a").process.poll() is None
     for key in ("device_free_bytes", "host_free_bytes", "device_memory_bytes", "host_memory_bytes"):

@@ -165,7 +165,8 @@ class InferenceSession(ChainRepair):
             try:
                 await stream.open(self.p2p, self.max_length, self.batch_size, LAYOUTS, self.figures.link_bandwidth,
                                   self.settings.open_timeout, self.settings.compression, self.settings.active_adapter,
-                                  self.prompts[span.start:span.end] if self.prompts is not None else None)
+                                  self.prompts[span.start:span.end] if self.prompts is not None else None,
+                                  self.settings.shared_streams == "on")
             except Exception as error:  # refused, unreachable or timed out: the caller decides
                 return opened, (stream, error)
             opened.append(stream)

@@ -20,6 +20,8 @@ class Feature(StrEnum):
     BATCH_INVARIANT = "batch_invariant"  # a row's outputs do not depend on the rows computed with it (its matmuls in
     # the row counts this device rounds alike: bloombee.models.core.invariance)
     EXACT_TREES = "exact_trees"  # a tree step's node outputs equal the same tokens decoded one at a time
+    SHARED_STREAMS = "shared_streams"  # one stream carries all of a client's sessions, messages ready at once bundled
+    # (bloombee.protocol.bundles)
     BACKWARD = "backward"  # forwards kept for a backward, deep prompts, gradients back (bloombee.server.training)
 
 

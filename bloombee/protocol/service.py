@@ -31,6 +31,10 @@ class BlockService(ServicerBase):
         """Steps pushed by the previous server of a session's chain."""
         raise NotImplementedError
 
+    async def rpc_sessions(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        """A shared stream: many inference sessions of one client, as lanes (bloombee.protocol.bundles)."""
+        raise NotImplementedError
+
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         """One inference session: open, then steps, history requests, until the stream ends."""
         raise NotImplementedError

@@ -43,6 +43,7 @@ from bloombee.server.push import PushChannel, PushStats
 from bloombee.server.memory import SessionRefused
 from bloombee.server.metrics import ServerMetrics
 from bloombee.server.sessions import Session, SessionRegistry
+from bloombee.server.shared_streams import SharedStream, until_client_ends
 from bloombee.server.throughput import ThroughputMeter
 from bloombee.server.training import KeptForward, KeptForwards
 from bloombee.settings import ServerSettings
@@ -50,10 +51,6 @@ from bloombee.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 Envelope = runtime_pb2.ExpertRequest
-# seconds a stream whose opening failed stays open for the client to end its side after reading the error: a stream
-# the server closed while the client's side was open sometimes reached the client as an end of stream without the
-# error before it (about 1 in 9 runs of tests/test_rpc_fuzz.py, 1025 bad opens each)
-REFUSED_STREAM_LINGER_S = 5.0
 
 
 class BlockServicer:
@@ -190,6 +187,10 @@ class BlockServicer:
                                 step.rope_positions)
         return session, header
 
+    async def rpc_sessions(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
+        async for reply in SharedStream(self.rpc_inference, context, self.metrics.refusal).serve(requests):
+            yield reply
+
     async def rpc_inference(self, requests: AsyncIterator[Envelope], context: P2PContext) -> AsyncIterator[Envelope]:
         first = await anext(aiter(requests), None)
         if first is None:
@@ -198,11 +199,11 @@ class BlockServicer:
             session = await self._open_session(first, context.remote_id.to_base58())
         except BAD_INPUT as error:
             yield self.metrics.refusal(ErrorKind.INVALID, str(error))
-            await _until_client_ends(requests)
+            await until_client_ends(requests)
             return
         except SessionRefused as error:
             yield self.metrics.refusal(ErrorKind.REFUSED, str(error))
-            await _until_client_ends(requests)
+            await until_client_ends(requests)
             return
         self.sessions_served += 1
         pump = asyncio.create_task(self._pump(requests, session))
@@ -338,19 +339,3 @@ class BlockServicer:
         """Run `fn` (a decode or an encode of `num_bytes`) in the codec thread, beside the compute (a small one right
         here: `codec.run_codec`)."""
         return await run_codec(self.codec, num_bytes, fn, *args)
-
-
-async def _until_client_ends(requests: AsyncIterator[Envelope]) -> None:
-    """Wait (at most REFUSED_STREAM_LINGER_S) for the client to end its side of a stream, dropping what it sends."""
-    draining = asyncio.ensure_future(_drain(requests))
-    try:
-        done, _ = await asyncio.wait({draining}, timeout=REFUSED_STREAM_LINGER_S)
-    finally:
-        draining.cancel()
-    if done and draining.exception() is not None:
-        logger.info("A stream whose opening failed broke before the client ended it: %r", draining.exception())
-
-
-async def _drain(requests: AsyncIterator[Envelope]) -> None:
-    async for _ in requests:
-        pass
