@@ -102,13 +102,16 @@ class SharedStream:
 async def open_lane(p2p: P2P, peer_id: str, lane: str, timeout: float) -> tuple[SharedStream, AsyncIterator[Envelope]]:
     """A lane named `lane` on this client's shared stream to `peer_id` (opened if none is), and its replies."""
     streams = _OPEN.setdefault(p2p, {})
-    while True:
-        if peer_id not in streams:
+    while True:  # again only if the stream found ended (its last lane closed) while this waited for it to open
+        created = peer_id not in streams
+        if created:
             streams[peer_id] = SharedStream(peer_id, streams)
         stream = streams[peer_id]
         await stream.start(p2p, timeout)
         if not stream.ended:
             return stream, stream.lane(lane)
+        if created:
+            raise ConnectionError(f"server {peer_id} ended the shared stream as it opened")
 
 
 async def _replies(queue: asyncio.Queue) -> AsyncIterator[Envelope]:
