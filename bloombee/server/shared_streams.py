@@ -63,7 +63,8 @@ class SharedStream:
 
     async def _read(self, requests: AsyncIterator[Envelope]) -> Envelope | None:
         """Deliver every lane's messages until the client ends the stream or sends a malformed bundle (whose
-        refusal is returned); then end the lanes, and the replies once they have."""
+        refusal is returned, as is the error of a failure to read); then end the lanes, and the replies once they
+        have."""
         refusal = None
         try:
             async for request in requests:
@@ -71,6 +72,9 @@ class SharedStream:
                     await self._deliver(lane, message)
         except BAD_INPUT as error:
             refusal = self.refusal(ErrorKind.INVALID, f"malformed bundle on a shared stream: {error}")
+        except Exception as error:
+            logger.exception("Reading a shared stream failed")
+            refusal = self.refusal(ErrorKind.INTERNAL, f"the server failed to read the shared stream: {error!r}")
         for queue in self._lanes.values():
             self._put(queue, None)
         await asyncio.gather(*self._tasks)
