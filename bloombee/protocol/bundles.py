@@ -33,7 +33,8 @@ class BundleHeader(BaseModel):
 
 def bundle(members: Sequence[Member]) -> Envelope:
     """One envelope of `members`, in order."""
-    result = Envelope(uid=BUNDLE, metadata=BundleHeader(lanes=tuple(lane for lane, _ in members)).model_dump_json().encode())
+    header = BundleHeader(lanes=tuple(lane for lane, _ in members))
+    result = Envelope(uid=BUNDLE, metadata=header.model_dump_json().encode())
     result.tensors.extend(runtime_pb2.Tensor(buffer=b"" if message is None else message.SerializeToString())
                           for _, message in members)
     return result
