@@ -15,7 +15,7 @@ from bloombee.client.shared_streams import _OPEN
 from bloombee.protocol import ErrorKind, ErrorMessage, InvalidStep, parse_message
 from bloombee.protocol.bundles import BUNDLE, MAX_MEMBERS, bundle, bundles, unbundle
 from bloombee.protocol.service import block_service_stub
-from bloombee.protocol.streams import single
+from bloombee.protocol.streams import queue_stream
 
 PROMPTS = [torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[27, 18, 28]]), torch.tensor([[1, 41, 42, 13, 56, 23, 9]]),
            torch.tensor([[100, 7]])]
@@ -168,12 +168,19 @@ def test_a_malformed_bundle_ends_its_stream_with_a_clear_error_and_the_server_se
     with model.remote.inference_session(max_length=8) as session:
         stub = block_service_stub(model.remote.p2p, session.streams[0].span.peer_id)
 
-    async def replies() -> list[runtime_pb2.ExpertRequest]:
-        return [reply async for reply in await stub.rpc_sessions(single(message("step")))]
+    async def replies() -> tuple[runtime_pb2.ExpertRequest, list[runtime_pb2.ExpertRequest]]:
+        """The first reply, then the rest once this side has ended the stream (ending both sides at once can lose
+        the server's last reply)."""
+        outbox = asyncio.Queue()
+        outbox.put_nowait(message("step"))
+        stream = await stub.rpc_sessions(queue_stream(outbox))
+        first = await anext(stream)
+        outbox.put_nowait(None)
+        return first, [reply async for reply in stream]
 
-    answer = run_sync(replies(), timeout=30)
-    assert len(answer) == 1
-    error = parse_message(answer[0].metadata, ErrorMessage)
+    first, rest = run_sync(replies(), timeout=30)
+    assert rest == []
+    error = parse_message(first.metadata, ErrorMessage)
     assert error.error_kind == ErrorKind.INVALID
     assert "malformed bundle on a shared stream: a shared stream carries bundles, not 'step'" in error.error
     assert model.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS, do_sample=False).equal(expected[1])
