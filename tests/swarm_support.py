@@ -2,6 +2,7 @@
 
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,26 @@ class KillServerAt(StoppingCriteria):
 
 def client(swarm: LocalSwarm, **kwargs) -> AutoDistributedModel:
     return AutoDistributedModel.from_pretrained(swarm.model, initial_peers=swarm.initial_peers, dtype=torch.float32, **kwargs)
+
+
+def generate_at_once(model, prompts: list[torch.Tensor], new_tokens: int) -> tuple[list, list[Exception]]:
+    """Each prompt's greedy output, generated in a thread of its own, all released at once; and the errors raised."""
+    outputs, errors = [None] * len(prompts), []
+    barrier = threading.Barrier(len(prompts))
+
+    def run(index: int) -> None:
+        barrier.wait()
+        try:
+            outputs[index] = model.generate(prompts[index], max_new_tokens=new_tokens, do_sample=False)
+        except Exception as error:  # returned to the test, which asserts there are none
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return outputs, errors
 
 
 def poll(condition, limit: float, what: str) -> float:

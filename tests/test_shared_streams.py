@@ -1,13 +1,12 @@
 """Shared streams: a client's sessions on a server travel as lanes of one stream, what is ready at once bundled."""
 
 import asyncio
-import threading
 
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
-from swarm_support import client, reference, save_tiny_llama, serving
+from swarm_support import client, generate_at_once, reference, save_tiny_llama, serving
 
 from bloombee.client import RequestRejected
 from bloombee.client.loop import run_sync
@@ -107,21 +106,7 @@ def open_streams(model) -> dict:
 
 
 def test_sessions_in_threads_share_a_stream_per_server_and_match_the_local_model(model, expected):
-    outputs, errors = [None] * len(PROMPTS), []
-    barrier = threading.Barrier(len(PROMPTS))
-
-    def run(index: int) -> None:
-        barrier.wait()
-        try:
-            outputs[index] = model.generate(PROMPTS[index], max_new_tokens=NEW_TOKENS, do_sample=False)
-        except Exception as error:  # reported by the assertion below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    outputs, errors = generate_at_once(model, PROMPTS, NEW_TOKENS)
     assert errors == []
     for output, want in zip(outputs, expected):
         assert torch.equal(output, want)

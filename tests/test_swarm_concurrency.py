@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from swarm_support import client, save_tiny_llama, start_swarm
+from swarm_support import client, generate_at_once, save_tiny_llama, start_swarm
 
 PROMPTS = [torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[27, 18, 28]]), torch.tensor([[1, 41, 42, 13, 56, 23, 9]]),
            torch.tensor([[100, 7]])]
@@ -37,21 +37,7 @@ def expected(model):
 
 
 def test_four_threads_generate_at_once_on_one_model(model, expected):
-    outputs, errors = [None] * len(PROMPTS), []
-    barrier = threading.Barrier(len(PROMPTS))
-
-    def run(index: int) -> None:
-        barrier.wait()
-        try:
-            outputs[index] = model.generate(PROMPTS[index], max_new_tokens=NEW_TOKENS, do_sample=False)
-        except Exception as error:  # reported by the assertion below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    outputs, errors = generate_at_once(model, PROMPTS, NEW_TOKENS)
     assert errors == []
     for output, want in zip(outputs, expected):
         assert torch.equal(output, want)

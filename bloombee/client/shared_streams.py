@@ -16,6 +16,7 @@ from hivemind.proto import runtime_pb2
 from bloombee.protocol import ErrorMessage, parse_message
 from bloombee.protocol.bundles import BUNDLE, bundles, unbundle
 from bloombee.protocol.service import block_service_stub
+from bloombee.protocol.streams import queue_stream
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class SharedStream:
         """Open lane `lane`: the replies to what is sent on it, until the server ends it or the stream breaks (raising
         the error)."""
         queue = self._lanes[lane] = asyncio.Queue()
-        return _replies(queue)
+        return queue_stream(queue)
 
     def send(self, lane: str, message: Envelope | None) -> None:
         """Send `message` on `lane`; None ends the lane (and the stream with the last lane). On a stream that has
@@ -112,13 +113,3 @@ async def open_lane(p2p: P2P, peer_id: str, lane: str, timeout: float) -> tuple[
             return stream, stream.lane(lane)
         if created:
             raise ConnectionError(f"server {peer_id} ended the shared stream as it opened")
-
-
-async def _replies(queue: asyncio.Queue) -> AsyncIterator[Envelope]:
-    while True:
-        item = await queue.get()
-        if item is None:
-            return
-        if isinstance(item, Exception):
-            raise item
-        yield item

@@ -7,11 +7,13 @@ Item = TypeVar("Item")
 
 
 async def queue_stream(queue: asyncio.Queue) -> AsyncIterator:
-    """Yield what is put into `queue` until None is put, which ends the stream."""
+    """Yield what is put into `queue` until None is put, which ends the stream; an exception put is raised."""
     while True:
         item = await queue.get()
         if item is None:
             return
+        if isinstance(item, Exception):
+            raise item
         yield item
 
 
