@@ -1,5 +1,6 @@
 """Helpers for tests that run a real local swarm (bootstrap peer + server processes on 127.0.0.1)."""
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -13,10 +14,13 @@ from transformers import AutoModelForCausalLM, StoppingCriteria
 from bloombee.client import AutoDistributedModel
 from bloombee.loading import dht_prefix, load_block_stack
 from bloombee.local_swarm import LocalSwarm
+from bloombee.protocol import Message, unpack
+from bloombee.protocol.streams import queue_stream
 from conftest import make_tiny_model
 
 NUM_BLOCKS = 8
 POLL_PERIOD = 0.2  # seconds between checks of a condition awaited with poll()
+STREAM_TIMEOUT = 30.0  # seconds any one reply on a Stream may take
 
 
 def save_tiny_llama(folder: Path, num_layers: int = NUM_BLOCKS) -> Path:
@@ -131,3 +135,37 @@ class KillAfter:
 
     def end(self) -> None:
         pass
+
+
+class Stream:
+    """One streaming RPC call: requests go in through a queue, replies come out within STREAM_TIMEOUT seconds each."""
+
+    def __init__(self, method):
+        self.method, self.outbox, self.replies = method, asyncio.Queue(), None
+
+    async def start(self, first=None) -> "Stream":
+        if first is not None:
+            self.outbox.put_nowait(first)
+        self.replies = aiter(await asyncio.wait_for(self.method(queue_stream(self.outbox)), STREAM_TIMEOUT))
+        return self
+
+    def send(self, request) -> None:
+        self.outbox.put_nowait(request)
+
+    async def reply(self) -> tuple[Message, dict]:
+        try:
+            return unpack(await asyncio.wait_for(anext(self.replies), STREAM_TIMEOUT))
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no reply on a {self.method.__name__} stream within {STREAM_TIMEOUT:g} s") from None
+
+    async def close(self) -> list[Message]:
+        """End the stream; what came back before it ended."""
+        self.outbox.put_nowait(None)
+        return await asyncio.wait_for(self._rest(), STREAM_TIMEOUT)
+
+    async def _rest(self) -> list[Message]:
+        rest = []
+        with contextlib.suppress(ConnectionError):  # the server ended the stream first: our end-of-stream is lost
+            async for response in self.replies:
+                rest.append(unpack(response)[0])
+        return rest

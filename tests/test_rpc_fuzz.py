@@ -5,7 +5,6 @@ returns on a quiet server; afterwards the server must hold no session and all of
 and peak memory must not have grown."""
 
 import asyncio
-import contextlib
 import functools
 import json
 import random
@@ -27,8 +26,7 @@ from bloombee.protocol import (BackwardMessage, ErrorKind, ForwardMessage, InfoM
                                StepHeader, StepMessage, envelope, pack, unpack)
 from bloombee.protocol.bundles import MAX_MEMBERS, bundle, unbundle
 from bloombee.protocol.service import block_service_stub
-from bloombee.protocol.streams import queue_stream
-from swarm_support import NUM_BLOCKS, client, save_tiny_llama, start_swarm
+from swarm_support import NUM_BLOCKS, Stream, client, save_tiny_llama, start_swarm
 
 PER_KIND = 1000  # malformed requests of each RPC kind
 VALID_EVERY = 25  # one valid open among this many malformed ones
@@ -110,40 +108,6 @@ def bad_tensors(rng: random.Random, hidden: torch.Tensor) -> list[tuple[str, byt
         [("token_mask", raw(torch.ones(batch, tokens, dtype=torch.bool)))],
         [],
     ])
-
-
-class Stream:
-    """One streaming RPC call: requests go in through a queue, replies come out with a timeout."""
-
-    def __init__(self, method):
-        self.method, self.outbox, self.replies = method, asyncio.Queue(), None
-
-    async def start(self, first=None) -> "Stream":
-        if first is not None:
-            self.outbox.put_nowait(first)
-        self.replies = aiter(await asyncio.wait_for(self.method(queue_stream(self.outbox)), TIMEOUT))
-        return self
-
-    def send(self, request) -> None:
-        self.outbox.put_nowait(request)
-
-    async def reply(self) -> tuple[Message, dict]:
-        try:
-            return unpack(await asyncio.wait_for(anext(self.replies), TIMEOUT))
-        except asyncio.TimeoutError:
-            raise AssertionError(f"no reply on a {self.method.__name__} stream within {TIMEOUT:g} s") from None
-
-    async def close(self) -> list[Message]:
-        """End the stream; what came back before it ended."""
-        self.outbox.put_nowait(None)
-        return await asyncio.wait_for(self._rest(), TIMEOUT)
-
-    async def _rest(self) -> list[Message]:
-        rest = []
-        with contextlib.suppress(ConnectionError):  # the server ended the stream first: our end-of-stream is lost
-            async for response in self.replies:
-                rest.append(unpack(response)[0])
-        return rest
 
 
 def assert_error(message: Message, kind: ErrorKind = ErrorKind.INVALID) -> None:

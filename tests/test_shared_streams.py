@@ -6,15 +6,14 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
-from swarm_support import client, generate_at_once, reference, save_tiny_llama, serving
+from swarm_support import Stream, client, generate_at_once, reference, save_tiny_llama, serving
 
 from bloombee.client import RequestRejected
 from bloombee.client.loop import run_sync
 from bloombee.client.shared_streams import _OPEN
-from bloombee.protocol import ErrorKind, ErrorMessage, InvalidStep, parse_message
+from bloombee.protocol import ErrorKind, ErrorMessage, InvalidStep
 from bloombee.protocol.bundles import BUNDLE, MAX_MEMBERS, bundle, bundles, unbundle
 from bloombee.protocol.service import block_service_stub
-from bloombee.protocol.streams import queue_stream
 
 PROMPTS = [torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[27, 18, 28]]), torch.tensor([[1, 41, 42, 13, 56, 23, 9]]),
            torch.tensor([[100, 7]])]
@@ -153,19 +152,17 @@ def test_a_malformed_bundle_ends_its_stream_with_a_clear_error_and_the_server_se
     with model.remote.inference_session(max_length=8) as session:
         stub = block_service_stub(model.remote.p2p, session.streams[0].span.peer_id)
 
-    async def replies() -> tuple[runtime_pb2.ExpertRequest, list[runtime_pb2.ExpertRequest]]:
+    async def replies():
         """The first reply, then the rest once this side has ended the stream (ending both sides at once can lose
         the server's last reply)."""
-        outbox = asyncio.Queue()
-        outbox.put_nowait(message("step"))
-        stream = await stub.rpc_sessions(queue_stream(outbox))
-        first = await anext(stream)
-        outbox.put_nowait(None)
-        return first, [reply async for reply in stream]
+        stream = await Stream(stub.rpc_sessions).start(message("step"))
+        first = (await stream.reply())[0]
+        stream.send(None)
+        return first, [reply async for reply in stream.replies]
 
-    first, rest = run_sync(replies(), timeout=30)
+    error, rest = run_sync(replies(), timeout=30)
     assert rest == []
-    error = parse_message(first.metadata, ErrorMessage)
+    assert isinstance(error, ErrorMessage)
     assert error.error_kind == ErrorKind.INVALID
     assert "malformed bundle on a shared stream: a shared stream carries bundles, not 'step'" in error.error
     assert model.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS, do_sample=False).equal(expected[1])
