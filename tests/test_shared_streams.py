@@ -1,6 +1,7 @@
 """Shared streams: a client's sessions on a server travel as lanes of one stream, what is ready at once bundled."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -166,3 +167,19 @@ def test_a_malformed_bundle_ends_its_stream_with_a_clear_error_and_the_server_se
     assert error.error_kind == ErrorKind.INVALID
     assert "malformed bundle on a shared stream: a shared stream carries bundles, not 'step'" in error.error
     assert model.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS, do_sample=False).equal(expected[1])
+
+
+def test_closing_a_client_ends_the_shared_streams_of_its_open_sessions(swarm):
+    closing = client(swarm, request_timeout=30.0)
+    session = closing.remote.inference_session(max_length=16)
+    session.step(torch.ones(1, 2, HIDDEN))
+    streams = list(open_streams(closing).values())
+    readers = [stream._reader for stream in streams]
+    assert len(readers) == 2 and not any(reader.done() for reader in readers)
+    closing.close()
+    deadline = time.monotonic() + 10
+    while not all(reader.done() for reader in readers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(reader.done() for reader in readers)  # none is left pending once the client's connection is gone
+    assert all(stream._lanes == {} for stream in streams)  # the open session's lanes were given the error
+    session.close()

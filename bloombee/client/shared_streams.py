@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 Envelope = runtime_pb2.ExpertRequest
 # per P2P instance (a client), its open shared streams by server peer id
 _OPEN: weakref.WeakKeyDictionary[P2P, dict[str, "SharedStream"]] = weakref.WeakKeyDictionary()
+# per P2P instance, the readers of its shared streams that have not ended (a stream whose last lane closed is read
+# until the server ends it too)
+_READERS: weakref.WeakKeyDictionary[P2P, set[asyncio.Task]] = weakref.WeakKeyDictionary()
 
 
 class SharedStream:
@@ -50,6 +53,9 @@ class SharedStream:
         stub = block_service_stub(p2p, self.peer_id)
         responses = await asyncio.wait_for(stub.rpc_sessions(bundles(self._outbox)), timeout)
         self._reader = asyncio.create_task(self._read(responses))
+        readers = _READERS.setdefault(p2p, set())
+        readers.add(self._reader)
+        self._reader.add_done_callback(readers.discard)
 
     def lane(self, lane: str) -> AsyncIterator[Envelope]:
         """Open lane `lane`: the replies to what is sent on it, until the server ends it or the stream breaks (raising
@@ -70,6 +76,7 @@ class SharedStream:
                 self._outbox.put_nowait(None)
 
     async def _read(self, responses: AsyncIterator[Envelope]) -> None:
+        error: Exception = ConnectionError(f"server {self.peer_id} closed the shared stream")
         try:
             async for reply in responses:
                 if reply.uid != BUNDLE:
@@ -77,13 +84,16 @@ class SharedStream:
                                           f"{parse_message(reply.metadata, ErrorMessage).error}")
                 for lane, message in unbundle(reply):
                     self._deliver(lane, message)
-            error: Exception = ConnectionError(f"server {self.peer_id} closed the shared stream")
+        except asyncio.CancelledError:
+            error = ConnectionError(f"the client stopped reading its shared stream to server {self.peer_id}")
+            raise
         except Exception as broken:  # every lane's session decides what to do
             error = broken
-        self._end()
-        for queue in self._lanes.values():
-            queue.put_nowait(error)
-        self._lanes.clear()
+        finally:
+            self._end()
+            for queue in self._lanes.values():
+                queue.put_nowait(error)
+            self._lanes.clear()
 
     def _deliver(self, lane: str, message: Envelope | None) -> None:
         queue = self._lanes.get(lane)
@@ -98,6 +108,15 @@ class SharedStream:
         self.ended = True
         if self._streams.get(self.peer_id) is self:
             del self._streams[self.peer_id]
+
+
+async def stop_reading(p2p: P2P) -> None:
+    """Stop reading the shared streams of client `p2p` (before its connection closes, which leaves reads pending);
+    the lanes still open get a ConnectionError."""
+    readers = list(_READERS.pop(p2p, ()))
+    for reader in readers:
+        reader.cancel()
+    await asyncio.gather(*readers, return_exceptions=True)
 
 
 async def open_lane(p2p: P2P, peer_id: str, lane: str, timeout: float) -> tuple[SharedStream, AsyncIterator[Envelope]]:
