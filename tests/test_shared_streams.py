@@ -182,4 +182,6 @@ def test_closing_a_client_ends_the_shared_streams_of_its_open_sessions(swarm):
         time.sleep(0.05)
     assert all(reader.done() for reader in readers)  # none is left pending once the client's connection is gone
     assert all(stream._lanes == {} for stream in streams)  # the open session's lanes were given the error
+    with pytest.raises(ConnectionError, match="this client's DHT peer has stopped"):
+        session.step(torch.ones(1, 1, HIDDEN))
     session.close()

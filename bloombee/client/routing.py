@@ -71,7 +71,11 @@ class SequenceManager:
             fresh = self._updated_at >= requested if force else time.monotonic() - self._updated_at < self.settings.update_period
             if fresh:
                 return
-            records = fetch_records(self.dht, self.prefix, self.num_blocks)
+            try:
+                records = fetch_records(self.dht, self.prefix, self.num_blocks)
+            except OSError as error:  # the pipe to the DHT peer's process, closed once it shut down
+                raise ConnectionError(f"cannot read the swarm: this client's DHT peer has stopped (closing a model "
+                                      f"stops it): {error}") from error
             with self._lock:
                 self._records, self._updated_at, self._held = records, time.monotonic(), {}
 
