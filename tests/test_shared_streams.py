@@ -1,13 +1,12 @@
 """Shared streams: a client's sessions on a server travel as lanes of one stream, what is ready at once bundled."""
 
 import asyncio
-import time
 
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
-from swarm_support import Stream, client, generate_at_once, reference, save_tiny_llama, serving
+from swarm_support import Stream, client, generate_at_once, poll, reference, save_tiny_llama, serving
 
 from bloombee.client import RequestRejected
 from bloombee.client.loop import run_sync
@@ -177,10 +176,7 @@ def test_closing_a_client_ends_the_shared_streams_of_its_open_sessions(swarm):
     readers = [stream._reader for stream in streams]
     assert len(readers) == 2 and not any(reader.done() for reader in readers)
     closing.close()
-    deadline = time.monotonic() + 10
-    while not all(reader.done() for reader in readers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(reader.done() for reader in readers)  # none is left pending once the client's connection is gone
+    poll(lambda: all(reader.done() for reader in readers), 10, "the shared streams' readers ending")
     assert all(stream._lanes == {} for stream in streams)  # the open session's lanes were given the error
     with pytest.raises(ConnectionError, match="this client's DHT peer has stopped"):
         session.step(torch.ones(1, 1, HIDDEN))
