@@ -181,3 +181,16 @@ def test_closing_a_client_ends_the_shared_streams_of_its_open_sessions(swarm):
     with pytest.raises(ConnectionError, match="this client's DHT peer has stopped"):
         session.step(torch.ones(1, 1, HIDDEN))
     session.close()
+
+
+def test_closing_a_client_ends_the_streams_of_its_open_sessions_without_shared_streams(swarm):
+    closing = client(swarm, request_timeout=30.0, shared_streams="off")
+    session = closing.remote.inference_session(max_length=16)
+    session.step(torch.ones(1, 2, HIDDEN))
+    readers = [stream._reader for stream in session.streams]
+    assert len(readers) == 2 and not any(reader.done() for reader in readers)
+    closing.close()
+    poll(lambda: all(reader.done() for reader in readers), 10, "the sessions' stream readers ending")
+    with pytest.raises(ConnectionError, match="this client's DHT peer has stopped"):
+        session.step(torch.ones(1, 1, HIDDEN))
+    session.close()

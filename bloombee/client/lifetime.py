@@ -8,7 +8,7 @@ import hivemind
 from hivemind.p2p import P2P
 
 from bloombee.client.loop import client_loop
-from bloombee.client.shared_streams import stop_reading
+from bloombee.client.readers import stop_reading
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def release(dht: hivemind.DHT, p2p: P2P | None) -> None:
 
 
 async def _close(p2p: P2P) -> None:
-    """Stop reading the client's shared streams, then close its p2p connection."""
+    """Stop reading the client's streams, then close its p2p connection."""
     await stop_reading(p2p)
     await p2p.shutdown()
 

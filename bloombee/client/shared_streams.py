@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from bloombee.client.readers import track_reader
 from bloombee.protocol import ErrorMessage, parse_message
 from bloombee.protocol.bundles import BUNDLE, bundles, unbundle
 from bloombee.protocol.service import block_service_stub
@@ -23,9 +24,6 @@ logger = logging.getLogger(__name__)
 Envelope = runtime_pb2.ExpertRequest
 # per P2P instance (a client), its open shared streams by server peer id
 _OPEN: weakref.WeakKeyDictionary[P2P, dict[str, "SharedStream"]] = weakref.WeakKeyDictionary()
-# per P2P instance, the readers of its shared streams that have not ended (a stream whose last lane closed is read
-# until the server ends it too)
-_READERS: weakref.WeakKeyDictionary[P2P, set[asyncio.Task]] = weakref.WeakKeyDictionary()
 
 
 class SharedStream:
@@ -53,9 +51,7 @@ class SharedStream:
         stub = block_service_stub(p2p, self.peer_id)
         responses = await asyncio.wait_for(stub.rpc_sessions(bundles(self._outbox)), timeout)
         self._reader = asyncio.create_task(self._read(responses))
-        readers = _READERS.setdefault(p2p, set())
-        readers.add(self._reader)
-        self._reader.add_done_callback(readers.discard)
+        track_reader(p2p, self._reader)  # a stream whose last lane closed is read until the server ends it too
 
     def lane(self, lane: str) -> AsyncIterator[Envelope]:
         """Open lane `lane`: the replies to what is sent on it, until the server ends it or the stream breaks (raising
@@ -108,15 +104,6 @@ class SharedStream:
         self.ended = True
         if self._streams.get(self.peer_id) is self:
             del self._streams[self.peer_id]
-
-
-async def stop_reading(p2p: P2P) -> None:
-    """Stop reading the shared streams of client `p2p` (before its connection closes, which leaves reads pending);
-    the lanes still open get a ConnectionError."""
-    readers = list(_READERS.pop(p2p, ()))
-    for reader in readers:
-        reader.cancel()
-    await asyncio.gather(*readers, return_exceptions=True)
 
 
 async def open_lane(p2p: P2P, peer_id: str, lane: str, timeout: float) -> tuple[SharedStream, AsyncIterator[Envelope]]:

@@ -10,6 +10,7 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from bloombee.client.readers import track_reader
 from bloombee.client.routing import Span
 from bloombee.client.shared_streams import SharedStream, open_lane
 from bloombee.protocol import ErrorKind, ErrorMessage, Feature, OpenMessage, OpenSession, pack, parse_message
@@ -67,6 +68,7 @@ class SpanStream:
             await self.close()
             raise
         self._reader = asyncio.create_task(self._read(responses))
+        track_reader(p2p, self._reader)
 
     async def _opened(self, first: runtime_pb2.ExpertRequest | None) -> None:
         """Raise unless the server's first reply says it opened the session."""
@@ -83,6 +85,10 @@ class SpanStream:
         try:
             async for envelope in responses:
                 await self.events.put((self, envelope))
+        except asyncio.CancelledError:  # closed, or its client stopped reading: a step still waiting fails over
+            self.events.put_nowait((self, ConnectionError(f"the client stopped reading its stream to server "
+                                                          f"{self.span.peer_id}")))
+            raise
         except Exception as error:  # the stream broke; the session decides what to do
             await self.events.put((self, error))
             return
