@@ -168,29 +168,18 @@ def test_a_malformed_bundle_ends_its_stream_with_a_clear_error_and_the_server_se
     assert model.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS, do_sample=False).equal(expected[1])
 
 
-def test_closing_a_client_ends_the_shared_streams_of_its_open_sessions(swarm):
-    closing = client(swarm, request_timeout=30.0)
+@pytest.mark.parametrize("shared", ["on", "off"])
+def test_closing_a_client_ends_the_streams_of_its_open_sessions(swarm, shared):
+    closing = client(swarm, request_timeout=30.0, shared_streams=shared)
     session = closing.remote.inference_session(max_length=16)
     session.step(torch.ones(1, 2, HIDDEN))
-    streams = list(open_streams(closing).values())
-    readers = [stream._reader for stream in streams]
-    assert len(readers) == 2 and not any(reader.done() for reader in readers)
+    shared_streams = list(open_streams(closing).values())
+    assert len(shared_streams) == (2 if shared == "on" else 0)
+    readers = [stream._reader for stream in session.streams + shared_streams]
+    assert not any(reader.done() for reader in readers)
     closing.close()
-    poll(lambda: all(reader.done() for reader in readers), 10, "the shared streams' readers ending")
-    assert all(stream._lanes == {} for stream in streams)  # the open session's lanes were given the error
-    with pytest.raises(ConnectionError, match="this client's DHT peer has stopped"):
-        session.step(torch.ones(1, 1, HIDDEN))
-    session.close()
-
-
-def test_closing_a_client_ends_the_streams_of_its_open_sessions_without_shared_streams(swarm):
-    closing = client(swarm, request_timeout=30.0, shared_streams="off")
-    session = closing.remote.inference_session(max_length=16)
-    session.step(torch.ones(1, 2, HIDDEN))
-    readers = [stream._reader for stream in session.streams]
-    assert len(readers) == 2 and not any(reader.done() for reader in readers)
-    closing.close()
-    poll(lambda: all(reader.done() for reader in readers), 10, "the sessions' stream readers ending")
+    poll(lambda: all(reader.done() for reader in readers), 10, "the streams' readers ending")
+    assert all(stream._lanes == {} for stream in shared_streams)  # the open session's lanes were given the error
     with pytest.raises(ConnectionError, match="this client's DHT peer has stopped"):
         session.step(torch.ones(1, 1, HIDDEN))
     session.close()
